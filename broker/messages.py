@@ -1,0 +1,195 @@
+"""Message types carried by the broker, in process and on the wire.
+
+Every message carries the publishing run's id (``run``), the publisher's sequence number
+(``seq``) and the global simulation step (``step``). Tensors inside a message are *borrowed*:
+they belong to the publisher and are valid only for the duration of the delivery call. A
+consumer that keeps anything must copy it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Final, Literal, TypeAlias
+
+import torch
+
+__all__ = [
+    "BUILD",
+    "RUNTIME",
+    "Batch",
+    "EpisodeEnd",
+    "FieldSpec",
+    "Message",
+    "Phase",
+    "RunEnd",
+    "RunStart",
+    "TOPIC_EPISODE_END",
+    "TOPIC_RUN_END",
+    "TOPIC_RUN_START",
+    "VariationSample",
+    "batch_topic",
+    "variation_topic",
+]
+
+TOPIC_EPISODE_END: Final = "episode/end"
+TOPIC_RUN_START: Final = "run/start"
+TOPIC_RUN_END: Final = "run/end"
+
+Phase: TypeAlias = Literal["build", "runtime"]
+BUILD: Final = "build"
+RUNTIME: Final = "runtime"
+
+Hook: TypeAlias = Literal["pre_step", "post_step", "pre_reset", "post_reset"]
+
+Label: TypeAlias = str | int | float | bool
+
+
+def batch_topic(term: str) -> str:
+    """Topic on which the batches of recorder term ``term`` are published."""
+    return f"batch/{term}"
+
+
+def variation_topic(key: str) -> str:
+    """Topic on which the samples of variation ``key`` are published."""
+    return f"variation/{key}"
+
+
+@dataclass(frozen=True, slots=True)
+class FieldSpec:
+    """Schema of one field: dtype name (``torch`` spelling, e.g. ``"float32"``) and the
+    per-world trailing shape (the shape without the leading worlds dimension)."""
+
+    dtype: str
+    shape: tuple[int, ...]
+
+    @classmethod
+    def of(cls, tensor: torch.Tensor) -> FieldSpec:
+        """The spec of a batched tensor whose first dimension is the worlds dimension."""
+        return cls(str(tensor.dtype).removeprefix("torch."), tuple(tensor.shape[1:]))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"dtype": self.dtype, "shape": list(self.shape)}
+
+    @classmethod
+    def from_dict(cls, value: Mapping[str, Any]) -> FieldSpec:
+        return cls(str(value["dtype"]), tuple(int(d) for d in value["shape"]))
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class Batch:
+    """One batch of fields for a set of worlds, published on ``batch/<term>``.
+
+    Attributes:
+        topic: ``batch/<term name>``.
+        worlds: 1-D int64 index tensor of the worlds in the batch.
+        episodes: 1-D int64 tensor, the current episode index of each world in ``worlds``.
+        fields: Name -> tensor whose first dimension is ``len(worlds)``. Borrowed.
+        hook: The lifecycle point that produced the batch.
+    """
+
+    run: str
+    seq: int
+    step: int
+    topic: str
+    worlds: torch.Tensor
+    episodes: torch.Tensor
+    fields: Mapping[str, torch.Tensor]
+    hook: Hook = "post_step"
+
+    @property
+    def term(self) -> str:
+        return self.topic.removeprefix("batch/")
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class EpisodeEnd:
+    """The end of the current episode of ``worlds`` (published on ``episode/end``).
+
+    Attributes:
+        worlds: 1-D int64 index tensor of the worlds whose episode ended.
+        episodes: The index of the episode that ended, per world.
+        success, terminated, truncated: 1-D bool tensors, per world.
+        length: 1-D int64 tensor, number of steps in the episode, per world.
+    """
+
+    run: str
+    seq: int
+    step: int
+    worlds: torch.Tensor
+    episodes: torch.Tensor
+    success: torch.Tensor
+    terminated: torch.Tensor
+    truncated: torch.Tensor
+    length: torch.Tensor
+    topic: str = TOPIC_EPISODE_END
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class VariationSample:
+    """One draw of a domain-randomization variation (published on ``variation/<key>``).
+
+    Attributes:
+        key: The variation's name.
+        phase: ``"build"`` (drawn once before the scene exists; applies to every episode of
+            the worlds for the whole run) or ``"runtime"`` (drawn when worlds reset; applies
+            to the episode each world is in).
+        worlds: 1-D int64 index tensor of the worlds the draw was made for.
+        episodes: Episode index of each world at the time of the draw.
+        value: Tensor whose first dimension is ``len(worlds)``. For categorical variations
+            it holds int64 codes into ``labels``.
+        labels: For categorical variations, the label of each code; otherwise ``None``.
+    """
+
+    run: str
+    seq: int
+    step: int
+    key: str
+    phase: Phase
+    worlds: torch.Tensor
+    episodes: torch.Tensor
+    value: torch.Tensor
+    labels: tuple[Label, ...] | None = None
+    topic: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.topic:
+            object.__setattr__(self, "topic", variation_topic(self.key))
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class RunStart:
+    """The start of a run (published on ``run/start``).
+
+    Attributes:
+        num_worlds: Number of parallel worlds.
+        device: Device the recorder's tensors live on (e.g. ``"cuda:0"``).
+        schema: Topic -> field -> spec, for the topics known when the run started.
+        metadata: User metadata (msgpack-able values only).
+    """
+
+    run: str
+    seq: int
+    step: int
+    num_worlds: int
+    device: str
+    schema: Mapping[str, Mapping[str, FieldSpec]] = field(default_factory=dict)
+    metadata: Mapping[str, Any] = field(default_factory=dict)
+    topic: str = TOPIC_RUN_START
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class RunEnd:
+    """The end of a run (published on ``run/end``), with the schema of every topic seen."""
+
+    run: str
+    seq: int
+    step: int
+    num_worlds: int
+    device: str
+    schema: Mapping[str, Mapping[str, FieldSpec]] = field(default_factory=dict)
+    metadata: Mapping[str, Any] = field(default_factory=dict)
+    topic: str = TOPIC_RUN_END
+
+
+Message: TypeAlias = Batch | EpisodeEnd | VariationSample | RunStart | RunEnd

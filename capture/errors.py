@@ -1,0 +1,25 @@
+"""The capture package's error vocabulary."""
+
+from __future__ import annotations
+
+__all__ = ["CaptureError", "RecorderClosedError", "SchemaError", "SelectorError", "TermError"]
+
+
+class CaptureError(Exception):
+    """Root of every error raised by the capture package."""
+
+
+class SelectorError(CaptureError, ValueError):
+    """A world selector was out of range, duplicated, of the wrong dtype or length."""
+
+
+class SchemaError(CaptureError, ValueError):
+    """A batch's fields differ from the schema its topic established with its first batch."""
+
+
+class TermError(CaptureError, ValueError):
+    """A recorder term returned something that is not a mapping of batched tensors."""
+
+
+class RecorderClosedError(CaptureError, RuntimeError):
+    """The recorder was closed and records nothing more."""

@@ -1,0 +1,324 @@
+"""The Recorder: runs terms at lifecycle points and publishes their batches to a broker."""
+
+from __future__ import annotations
+
+import itertools
+import uuid
+from collections.abc import Mapping
+from types import MappingProxyType, TracebackType
+from typing import Any
+
+import torch
+
+from broker import (
+    Batch,
+    Broker,
+    EpisodeEnd,
+    FieldSpec,
+    Message,
+    RunEnd,
+    RunStart,
+    batch_topic,
+)
+from broker.messages import Hook
+
+from .errors import RecorderClosedError, SchemaError, TermError
+from .selectors import WorldSelector, normalize_worlds
+from .terms import HOOKS, flatten_fields
+
+__all__ = ["Recorder"]
+
+_Schema = dict[str, tuple[torch.dtype, tuple[int, ...]]]
+
+
+class Recorder:
+    """Runs recorder terms at the simulation's lifecycle points and publishes what they return.
+
+    Call ``record_pre_step()`` / ``record_post_step()`` around every step and
+    ``record_pre_reset(worlds, ...)`` / ``record_post_reset(worlds)`` around every reset. Each
+    term hook's mapping is published as one :class:`broker.Batch` on ``batch/<term name>``;
+    the tensors are passed through uncopied (borrowed by the consumers for the call).
+
+    Episodes: every world has a running episode index kept on ``device``. ``record_pre_reset``
+    publishes an :class:`broker.EpisodeEnd` for those worlds and advances their index; batches
+    and variation samples recorded afterwards for those worlds belong to the new episode.
+
+    Schema: each topic's schema (field names, dtypes, per-world shapes) is fixed by its first
+    batch; a later batch that differs raises :class:`SchemaError`.
+
+    Call ``close()`` at the end of a run: it publishes :class:`broker.RunEnd`, which tells the
+    storage daemon the run is complete.
+
+    Args:
+        num_worlds: Number of parallel worlds.
+        device: Device of the simulator's tensors.
+        broker: Where to publish; a private strict-less broker is created when omitted.
+        run: Run id; a random hex id when omitted.
+        metadata: User metadata for ``RunStart`` (msgpack-able values only if sent over ZeroMQ).
+    """
+
+    def __init__(
+        self,
+        num_worlds: int,
+        device: torch.device | str = "cpu",
+        broker: Broker | None = None,
+        *,
+        run: str | None = None,
+        metadata: Mapping[str, Any] | None = None,
+    ) -> None:
+        if isinstance(num_worlds, bool) or not isinstance(num_worlds, int) or num_worlds <= 0:
+            raise ValueError(f"num_worlds: expected a positive int, got {num_worlds!r}")
+        self.num_worlds = num_worlds
+        self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        self.broker = broker if broker is not None else Broker()
+        self.run = run if run is not None else uuid.uuid4().hex[:16]
+        self.metadata: Mapping[str, Any] = MappingProxyType(dict(metadata or {}))
+        self._terms: dict[str, object] = {}
+        self._hooks: dict[str, list[tuple[str, Any]]] = {hook: [] for hook in HOOKS}
+        self._schemas: dict[str, _Schema] = {}
+        self._all = torch.arange(num_worlds, device=self.device, dtype=torch.int64)
+        self._episode = torch.zeros(num_worlds, device=self.device, dtype=torch.int64)
+        self._length = torch.zeros(num_worlds, device=self.device, dtype=torch.int64)
+        self._false = torch.zeros(num_worlds, device=self.device, dtype=torch.bool)
+        self._seq = itertools.count()
+        self._step = 0
+        self._started = False
+        self._closed = False
+
+    # -- configuration -------------------------------------------------------------------
+
+    def add_term(self, name: str, term: object) -> None:
+        """Register ``term`` under ``name``; its batches go to topic ``batch/<name>``.
+
+        Raises:
+            ValueError: ``name`` is empty, contains whitespace, or is already registered.
+            TypeError: ``term`` has none of the hooks.
+        """
+        if not isinstance(name, str) or not name or any(c.isspace() for c in name):
+            raise ValueError(f"name: expected a non-empty term name without whitespace, got {name!r}")
+        if name in self._terms:
+            raise ValueError(f"name: a term named {name!r} is already registered")
+        hooks = [(hook, getattr(term, hook)) for hook in HOOKS if callable(getattr(term, hook, None))]
+        if not hooks:
+            raise TypeError(f"term {name!r}: expected at least one of the hooks {', '.join(HOOKS)}")
+        self._terms[name] = term
+        for hook, fn in hooks:
+            self._hooks[hook].append((name, fn))
+
+    @property
+    def terms(self) -> Mapping[str, object]:
+        return MappingProxyType(self._terms)
+
+    # -- state ---------------------------------------------------------------------------
+
+    @property
+    def step(self) -> int:
+        """Global step counter: number of ``record_post_step`` calls so far."""
+        return self._step
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    @property
+    def episode_index(self) -> torch.Tensor:
+        """A copy of every world's current episode index (int64, on ``device``)."""
+        return self._episode.clone()
+
+    @property
+    def episode_length(self) -> torch.Tensor:
+        """A copy of every world's current episode length in steps (int64, on ``device``)."""
+        return self._length.clone()
+
+    def episodes_of(self, worlds: torch.Tensor) -> torch.Tensor:
+        """The current episode index of each world in the normalized index tensor ``worlds``."""
+        return self._episode.index_select(0, worlds)
+
+    def select(self, worlds: WorldSelector, *, name: str = "worlds") -> torch.Tensor:
+        """Normalize a world selector (see :mod:`capture.selectors`) on this recorder's device."""
+        return normalize_worlds(worlds, self.num_worlds, self.device, name=name, all_worlds=self._all)
+
+    def schema(self) -> dict[str, dict[str, FieldSpec]]:
+        """Topic -> field -> spec, for every topic that has published a batch."""
+        return {
+            topic: {f: FieldSpec(str(d).removeprefix("torch."), s) for f, (d, s) in fields.items()}
+            for topic, fields in self._schemas.items()
+        }
+
+    def next_seq(self) -> int:
+        """Reserve the next publisher sequence number (for components publishing for this run)."""
+        return next(self._seq)
+
+    def publish(self, message: Message) -> None:
+        """Publish a message of this run (starting the run first if needed)."""
+        self._ensure_open()
+        if not self._started:
+            self.start()
+        self.broker.publish(message)
+
+    # -- lifecycle -----------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Publish ``RunStart``. Called implicitly by the first record call. Idempotent."""
+        self._ensure_open()
+        if self._started:
+            return
+        self._started = True
+        self.broker.publish(
+            RunStart(self.run, self.next_seq(), self._step, self.num_worlds, str(self.device),
+                     self.schema(), self.metadata)
+        )
+
+    def record_pre_step(self) -> None:
+        """Run every term's ``pre_step`` hook and publish the results."""
+        self._run_hook("pre_step", None)
+
+    def record_post_step(self) -> None:
+        """Run every term's ``post_step`` hook, publish the results, then advance the step."""
+        self._run_hook("post_step", None)
+        self._step += 1
+        self._length.add_(1)
+
+    def record_pre_reset(
+        self,
+        worlds: WorldSelector = None,
+        success: torch.Tensor | bool | None = None,
+        terminated: torch.Tensor | bool | None = None,
+        truncated: torch.Tensor | bool | None = None,
+    ) -> torch.Tensor:
+        """End the current episode of ``worlds``.
+
+        Runs the ``pre_reset`` hooks (their batches belong to the ending episode), publishes
+        ``EpisodeEnd`` with the flags, then advances those worlds' episode index. Flags are a
+        bool, or a bool tensor of length ``len(worlds)`` or ``num_worlds``; ``None`` is False.
+
+        Returns:
+            The normalized world index tensor (empty selections record nothing).
+        """
+        idx = self.select(worlds)
+        self._ensure_open()
+        if idx.numel() == 0:
+            return idx
+        if not self._started:
+            self.start()
+        flags = [self._flag(v, idx, n) for v, n in ((success, "success"), (terminated, "terminated"),
+                                                     (truncated, "truncated"))]
+        self._run_hook("pre_reset", idx)
+        episodes = self._episode.index_select(0, idx)
+        self.broker.publish(
+            EpisodeEnd(self.run, self.next_seq(), self._step, idx, episodes, flags[0], flags[1],
+                       flags[2], self._length.index_select(0, idx))
+        )
+        self._episode.index_add_(0, idx, torch.ones_like(idx))
+        self._length.index_fill_(0, idx, 0)
+        return idx
+
+    def record_post_reset(self, worlds: WorldSelector = None) -> torch.Tensor:
+        """Run the ``post_reset`` hooks for ``worlds`` (recorded into their new episode)."""
+        idx = self.select(worlds)
+        if idx.numel():
+            self._run_hook("post_reset", idx)
+        return idx
+
+    def close(self) -> None:
+        """Publish ``RunEnd`` (with the schema of every topic seen) and stop recording.
+        Idempotent. The broker is not closed: it belongs to whoever passed it in."""
+        if self._closed:
+            return
+        if not self._started:
+            self.start()
+        self.broker.publish(
+            RunEnd(self.run, self.next_seq(), self._step, self.num_worlds, str(self.device),
+                   self.schema(), self.metadata)
+        )
+        self._closed = True
+
+    def __enter__(self) -> Recorder:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+    # -- internals -----------------------------------------------------------------------
+
+    def _ensure_open(self) -> None:
+        if self._closed:
+            raise RecorderClosedError(f"recorder of run {self.run!r} is closed")
+
+    def _flag(self, value: torch.Tensor | bool | None, idx: torch.Tensor, name: str) -> torch.Tensor:
+        n = idx.numel()
+        if value is None or value is False:
+            return self._false[:n]
+        if value is True:
+            return torch.ones(n, device=self.device, dtype=torch.bool)
+        if not isinstance(value, torch.Tensor):
+            value = torch.as_tensor(value)
+        if value.dtype != torch.bool or value.dim() != 1 or value.shape[0] not in (n, self.num_worlds):
+            raise ValueError(
+                f"{name}: expected a bool, or a bool tensor of shape ({n},) or ({self.num_worlds},), "
+                f"got dtype {value.dtype} shape {tuple(value.shape)}"
+            )
+        value = value.to(self.device)
+        if value.shape[0] == self.num_worlds and n != self.num_worlds:
+            value = value.index_select(0, idx)
+        return value.clone()
+
+    def _run_hook(self, hook: Hook, idx: torch.Tensor | None) -> None:
+        calls = self._hooks[hook]
+        if not calls:
+            return
+        self._ensure_open()
+        if not self._started:
+            self.start()
+        worlds = self._all if idx is None else idx
+        n = worlds.shape[0]
+        episodes: torch.Tensor | None = None
+        for name, fn in calls:
+            out = fn() if idx is None else fn(idx)
+            if out is None:
+                continue
+            fields = flatten_fields(out, name)
+            if not fields:
+                continue
+            topic = batch_topic(name)
+            self._check(topic, fields, n)
+            if episodes is None:
+                episodes = self._episode if idx is None else self._episode.index_select(0, idx)
+            self.broker.publish(Batch(self.run, self.next_seq(), self._step, topic, worlds,
+                                      episodes, fields, hook))
+
+    def _check(self, topic: str, fields: dict[str, torch.Tensor], n: int) -> None:
+        schema = self._schemas.get(topic)
+        if schema is None:
+            for f, t in fields.items():
+                self._check_leading(topic, f, t, n)
+            self._schemas[topic] = {f: (t.dtype, tuple(t.shape[1:])) for f, t in fields.items()}
+            return
+        if len(schema) != len(fields) or schema.keys() != fields.keys():
+            raise SchemaError(
+                f"topic {topic!r}: expected fields {sorted(schema)}, got {sorted(fields)}"
+            )
+        for f, t in fields.items():
+            dtype, shape = schema[f]
+            if t.dtype != dtype or t.shape[1:] != shape:
+                raise SchemaError(
+                    f"topic {topic!r} field {f!r}: expected {str(dtype).removeprefix('torch.')} "
+                    f"per-world shape {shape}, got {str(t.dtype).removeprefix('torch.')} "
+                    f"per-world shape {tuple(t.shape[1:])}"
+                )
+            self._check_leading(topic, f, t, n)
+
+    def _check_leading(self, topic: str, f: str, t: torch.Tensor, n: int) -> None:
+        if t.dim() == 0 or t.shape[0] != n:
+            raise TermError(
+                f"topic {topic!r} field {f!r}: expected a leading worlds dimension of {n}, "
+                f"got shape {tuple(t.shape)}"
+            )
+        if t.device != self.device:
+            raise TermError(
+                f"topic {topic!r} field {f!r}: expected a tensor on {self.device}, got one on {t.device}"
+            )
