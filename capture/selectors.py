@@ -20,7 +20,7 @@ from .errors import SelectorError
 __all__ = ["WorldSelector", "normalize_worlds"]
 
 WorldSelector: TypeAlias = (
-    None | int | Sequence[int] | range | slice | torch.Tensor | np.ndarray
+    int | Sequence[int] | range | slice | torch.Tensor | np.ndarray | None
 )
 
 

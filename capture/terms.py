@@ -27,7 +27,9 @@ class Term(Protocol):
     - ``post_reset(worlds)``: initial fields of the reset worlds, recorded into their new episode.
 
     Each hook returns a mapping of name -> tensor (nested mappings are flattened with "/"), or
-    ``None`` to record nothing this time. The returned tensors are borrowed: the recorder does
+    ``None`` to record nothing this time. Every hook of one term publishes on the term's one
+    topic, so they must return the same fields (one schema per topic); record different things
+    at different points with different terms. The returned tensors are borrowed: the recorder does
     not copy them, and consumers copy what they keep.
     """
 

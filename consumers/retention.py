@@ -1,0 +1,213 @@
+"""Batched retention: every batch appended to preallocated buffers on the batch's device."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+import torch
+
+from broker import Batch, Broker, EpisodeEnd, Message, RunStart, Subscription
+
+from ._buffers import PerWorldBuffer, SharedAxisBuffer
+from .errors import RetentionError
+
+__all__ = ["FinishedEpisode", "Retention", "RetentionStatistics"]
+
+EpisodeData = dict[str, dict[str, torch.Tensor]]
+"""Term name -> field name -> ``[T, ...]`` tensor (an owned snapshot)."""
+
+_RESET_HOOKS = ("pre_reset", "post_reset")
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class FinishedEpisode:
+    """A finished episode handed to a retention sink. ``data`` is owned by the receiver."""
+
+    run: str
+    world: int
+    episode: int
+    success: bool
+    terminated: bool
+    truncated: bool
+    length: int
+    data: EpisodeData
+
+
+@dataclass(frozen=True, slots=True)
+class RetentionStatistics:
+    """Counters of a :class:`Retention` consumer."""
+
+    batches: int
+    episodes_finished: int
+    episodes_sunk: int
+    grows: int
+    topics: int
+    bytes_allocated: int
+
+
+class Retention:
+    """Keeps each world's current episode in preallocated batched buffers.
+
+    Subscribe it to a broker (``retention.attach(broker)``, or subscribe it to ``""``). Every
+    :class:`broker.Batch` is copied into one ``[capacity, worlds, ...]`` tensor per field on the
+    batch's device (the published tensors stay borrowed: nothing of them is referenced after
+    the call). Topics recorded every step share one time axis (one contiguous copy per field
+    per step); topics recorded only at resets keep per-world counters. Capacity starts at
+    ``initial_capacity`` and grows geometrically; a reset reuses the rows of the worlds it
+    ended. No Python loop over worlds runs on the append path.
+
+    ``episode(world)`` returns an owned snapshot of the world's current episode. With a
+    ``sink``, each finished episode is snapshotted when its :class:`broker.EpisodeEnd` arrives
+    and handed to the sink; without one, no snapshot is ever built for finished episodes, and
+    their rows are simply reused.
+
+    Args:
+        num_worlds: Number of worlds; learned from ``RunStart`` when omitted.
+        initial_capacity: Initial rows per world.
+        growth: Capacity multiplier when full (> 1).
+        sink: Called with every :class:`FinishedEpisode`.
+        skip_empty: Do not hand episodes with no retained rows to the sink.
+    """
+
+    name = "retention"
+
+    def __init__(
+        self,
+        *,
+        num_worlds: int | None = None,
+        initial_capacity: int = 32,
+        growth: float = 2.0,
+        sink: Callable[[FinishedEpisode], object] | None = None,
+        skip_empty: bool = True,
+    ) -> None:
+        if isinstance(initial_capacity, bool) or not isinstance(initial_capacity, int) or initial_capacity < 1:
+            raise ValueError(f"initial_capacity: expected a positive int, got {initial_capacity!r}")
+        if not growth > 1.0:
+            raise ValueError(f"growth: expected a factor > 1, got {growth!r}")
+        if num_worlds is not None and (isinstance(num_worlds, bool) or num_worlds < 1):
+            raise ValueError(f"num_worlds: expected a positive int, got {num_worlds!r}")
+        self.num_worlds = num_worlds
+        self.initial_capacity = initial_capacity
+        self.growth = growth
+        self.sink = sink
+        self.skip_empty = skip_empty
+        self.run: str | None = None
+        self._topics: dict[str, SharedAxisBuffer | PerWorldBuffer] = {}
+        self._full_worlds: torch.Tensor | None = None
+        self._arange: torch.Tensor | None = None
+        self._batches = 0
+        self._finished = 0
+        self._sunk = 0
+        self._grows = 0
+
+    def attach(self, broker: Broker) -> list[Subscription]:
+        """Subscribe to batches, episode ends and run starts of ``broker``."""
+        return [broker.subscribe(p, self, name=self.name) for p in ("batch/", "episode/", "run/")]
+
+    def __call__(self, message: Message) -> None:
+        if isinstance(message, Batch):
+            self.append(message)
+        elif isinstance(message, EpisodeEnd):
+            self.finish(message)
+        elif isinstance(message, RunStart):
+            self.run = message.run
+            if self.num_worlds != message.num_worlds:
+                self._topics.clear()
+            self.num_worlds = message.num_worlds
+            self.reset()
+
+    # -- append path ---------------------------------------------------------------------
+
+    def _is_full(self, worlds: torch.Tensor, n: int) -> bool:
+        if worlds is self._full_worlds:
+            return True
+        if worlds.shape[0] != n:
+            return False
+        if self._arange is None or self._arange.device != worlds.device:
+            self._arange = torch.arange(n, device=worlds.device)
+        if torch.equal(worlds, self._arange):
+            self._full_worlds = worlds  # the recorder passes the same all-worlds tensor each step
+            return True
+        return False
+
+    def append(self, batch: Batch) -> None:
+        """Copy ``batch`` into the buffers of its topic."""
+        if self.num_worlds is None:
+            raise RetentionError(
+                f"topic {batch.topic!r}: the number of worlds is unknown; pass num_worlds= or "
+                "attach before the run starts"
+            )
+        n = self.num_worlds
+        if self.run is None:
+            self.run = batch.run
+        buf = self._topics.get(batch.topic)
+        if buf is None:
+            if not batch.fields:
+                return
+            cls = PerWorldBuffer if batch.hook in _RESET_HOOKS else SharedAxisBuffer
+            buf = self._topics[batch.topic] = cls(batch.topic, n, self.initial_capacity,
+                                                   batch.fields, self.growth)
+        capacity = buf.capacity
+        buf.append(batch.worlds, batch.fields, self._is_full(batch.worlds, n))
+        self._grows += buf.capacity != capacity
+        self._batches += 1
+
+    # -- episodes ------------------------------------------------------------------------
+
+    def finish(self, end: EpisodeEnd) -> None:
+        """End the episodes of ``end.worlds``: hand them to the sink (if any), then free rows."""
+        worlds = end.worlds
+        if worlds.numel() == 0:
+            return
+        self._finished += worlds.numel()
+        if self.sink is not None:
+            keys = zip(worlds.tolist(), end.episodes.tolist(), end.success.tolist(),
+                       end.terminated.tolist(), end.truncated.tolist(), end.length.tolist(),
+                       strict=True)
+            for w, ep, ok, term, trunc, length in keys:
+                data = self.episode(w)
+                if self.skip_empty and not any(
+                    t.shape[0] for fields in data.values() for t in fields.values()
+                ):
+                    continue
+                self.sink(FinishedEpisode(end.run, w, ep, bool(ok), bool(term), bool(trunc),
+                                          int(length), data))
+                self._sunk += 1
+        for buf in self._topics.values():
+            buf.restart(worlds.to(buf.device))
+
+    def episode(self, world: int) -> EpisodeData:
+        """An owned snapshot of ``world``'s current episode: term -> field -> ``[T, ...]``.
+
+        Raises:
+            RetentionError: ``world`` is out of range.
+        """
+        if self.num_worlds is None or not 0 <= int(world) < self.num_worlds:
+            raise RetentionError(f"world: expected an index in [0, {self.num_worlds}), got {world!r}")
+        return {topic.removeprefix("batch/"): buf.read(int(world)) for topic, buf in self._topics.items()}
+
+    def episode_length(self, world: int, term: str) -> int:
+        """Rows retained for ``world`` in term ``term`` (one device read)."""
+        return self._topics[f"batch/{term}"].length(int(world))
+
+    def reset(self, worlds: torch.Tensor | None = None) -> None:
+        """Drop the retained rows of ``worlds`` (all when ``None``) without a sink call."""
+        for buf in self._topics.values():
+            idx = torch.arange(buf.num_worlds, device=buf.device) if worlds is None else worlds.to(buf.device)
+            buf.restart(idx)
+
+    @property
+    def capacity(self) -> Mapping[str, int]:
+        """Topic -> current rows per world."""
+        return {t: b.capacity for t, b in self._topics.items()}
+
+    def statistics(self) -> RetentionStatistics:
+        return RetentionStatistics(
+            batches=self._batches,
+            episodes_finished=self._finished,
+            episodes_sunk=self._sunk,
+            grows=self._grows,
+            topics=len(self._topics),
+            bytes_allocated=sum(b.nbytes() for b in self._topics.values()),
+        )

@@ -1,0 +1,315 @@
+"""SampleTable: joins variation samples with episode outcomes into an (X, Y) table.
+
+One row per finished episode: ``(run, world, episode, factor values..., success, terminated,
+truncated, length)``, the table a sensitivity analysis takes. It depends only on the broker's
+message types, so it works in process (tensors on any device) and on messages a remote
+subscriber decoded from the wire (CPU tensors) alike.
+
+Join rule, per variation key and finished episode: the last run-time sample drawn for that
+world while it was in that episode, else the world's last build-time sample (build-time
+samples are in effect for every episode of their worlds), else missing (NaN, label ``None``).
+Samples and episode ends of a run must arrive in publication order, as the broker and the
+ZeroMQ transport deliver them.
+
+Ownership: every value is copied to host numpy arrays during the delivery call; nothing
+borrowed from a message is kept.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from broker import Broker, EpisodeEnd, Message, RunEnd, Subscription, VariationSample
+from broker.messages import BUILD
+
+__all__ = ["OUTCOME_COLUMNS", "SampleArrays", "SampleTable"]
+
+OUTCOME_COLUMNS = ("success", "terminated", "truncated", "length")
+
+
+def _host(t: torch.Tensor) -> np.ndarray:
+    """An owned host copy of a (possibly borrowed, possibly device) tensor."""
+    return np.array(t.detach().cpu().numpy(), copy=True)
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class SampleArrays:
+    """The table as arrays (all owned copies), one row per finished episode.
+
+    Attributes:
+        run, world, episode: The episode keys, shape ``(rows,)``.
+        x: float64 factors, shape ``(rows, len(x_columns))``; NaN where a factor is missing;
+            categorical factors give their codes.
+        y: float64 outcomes (``success``, ``terminated``, ``truncated`` as 0/1, ``length``).
+        x_columns, y_columns: Column names of ``x`` and ``y``.
+        labels: Categorical key -> object array of labels (``None`` where missing).
+    """
+
+    run: np.ndarray
+    world: np.ndarray
+    episode: np.ndarray
+    x: np.ndarray
+    y: np.ndarray
+    x_columns: tuple[str, ...]
+    y_columns: tuple[str, ...]
+    labels: dict[str, np.ndarray]
+
+
+@dataclass(frozen=True, slots=True)
+class _Factor:
+    shape: tuple[int, ...]
+    categorical: bool
+
+    @property
+    def width(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64))
+
+    def columns(self, key: str) -> list[str]:
+        if not self.shape:
+            return [key]
+        return [f"{key}[{','.join(map(str, i))}]" for i in np.ndindex(*self.shape)]
+
+
+class _KeyState:
+    """Per run and key: each world's latest run-time value (and its episode) and build value."""
+
+    __slots__ = ("build", "build_label", "episode", "label", "value")
+
+    def __init__(self, width: int, capacity: int) -> None:
+        self.value = np.full((capacity, width), np.nan)
+        self.episode = np.full(capacity, -1, dtype=np.int64)
+        self.build = np.full((capacity, width), np.nan)
+        self.label = np.full(capacity, None, dtype=object)
+        self.build_label = np.full(capacity, None, dtype=object)
+
+    def grow(self, capacity: int) -> None:
+        for name in self.__slots__:
+            old = getattr(self, name)
+            fill: Any = -1 if name == "episode" else (None if old.dtype == object else np.nan)
+            new = np.full((capacity, *old.shape[1:]), fill, dtype=old.dtype)
+            new[: old.shape[0]] = old
+            setattr(self, name, new)
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class _Chunk:
+    run: str
+    world: np.ndarray
+    episode: np.ndarray
+    outcomes: np.ndarray
+    values: dict[str, np.ndarray]
+    labels: dict[str, np.ndarray]
+
+
+class SampleTable:
+    """A broker consumer joining ``VariationSample`` and ``EpisodeEnd`` messages into rows.
+
+    Subscribe it with :meth:`attach` (or to ``variation/`` and ``episode/`` yourself); other
+    messages are ignored, except ``RunEnd``, which frees that run's join state.
+
+    Raises (from the delivery call):
+        ValueError: A sample's value does not match its worlds, or a key changes its
+            per-world shape or switches between categorical and numeric.
+    """
+
+    name = "sample-table"
+
+    def __init__(self) -> None:
+        self._factors: dict[str, _Factor] = {}
+        self._runs: dict[str, dict[str, _KeyState]] = {}
+        self._capacity: dict[str, int] = {}
+        self._chunks: list[_Chunk] = []
+        self._rows = 0
+
+    def attach(self, broker: Broker) -> list[Subscription]:
+        """Subscribe to ``variation/`` and ``episode/`` on ``broker``."""
+        return [broker.subscribe("variation/", self, name=self.name),
+                broker.subscribe("episode/", self, name=self.name)]
+
+    def __call__(self, message: Message) -> None:
+        if isinstance(message, VariationSample):
+            self._sample(message)
+        elif isinstance(message, EpisodeEnd):
+            self._end(message)
+        elif isinstance(message, RunEnd):
+            self._runs.pop(message.run, None)
+            self._capacity.pop(message.run, None)
+
+    # -- joining -------------------------------------------------------------------------
+
+    def _state(self, run: str, key: str, factor: _Factor, worlds: np.ndarray) -> _KeyState:
+        states = self._runs.setdefault(run, {})
+        capacity = self._capacity.get(run, 0)
+        needed = int(worlds.max()) + 1 if worlds.size else 0
+        if needed > capacity:
+            capacity = max(needed, 2 * capacity)
+            self._capacity[run] = capacity
+            for state in states.values():
+                state.grow(capacity)
+        if key not in states:
+            states[key] = _KeyState(factor.width, capacity)
+        return states[key]
+
+    def _factor(self, message: VariationSample) -> _Factor:
+        factor = _Factor(tuple(message.value.shape[1:]), message.labels is not None)
+        known = self._factors.setdefault(message.key, factor)
+        if known != factor:
+            raise ValueError(
+                f"topic {message.topic!r}: expected per-world shape {known.shape} "
+                f"({'categorical' if known.categorical else 'numeric'}), got {factor.shape} "
+                f"({'categorical' if factor.categorical else 'numeric'})"
+            )
+        return factor
+
+    def _sample(self, message: VariationSample) -> None:
+        worlds, episodes = _host(message.worlds), _host(message.episodes)
+        n = worlds.shape[0]
+        if message.value.dim() == 0 or message.value.shape[0] != n or episodes.shape != (n,):
+            raise ValueError(
+                f"topic {message.topic!r}: expected value and episodes with a leading dimension "
+                f"of {n}, got shapes {tuple(message.value.shape)} and {episodes.shape}"
+            )
+        factor = self._factor(message)
+        state = self._state(message.run, message.key, factor, worlds)
+        raw = _host(message.value).reshape(n, factor.width)
+        labels = None
+        if message.labels is not None:
+            codes = raw[:, 0].astype(np.int64)
+            if n and (codes.min() < 0 or codes.max() >= len(message.labels)):
+                raise ValueError(
+                    f"topic {message.topic!r}: expected codes in [0, {len(message.labels)}), "
+                    f"got {codes.min()}..{codes.max()}"
+                )
+            vocabulary = np.empty(len(message.labels), dtype=object)
+            vocabulary[:] = message.labels
+            labels = vocabulary[codes]
+        values = raw.astype(np.float64)
+        if message.phase == BUILD:
+            state.build[worlds] = values
+            if labels is not None:
+                state.build_label[worlds] = labels
+        else:
+            state.value[worlds] = values
+            state.episode[worlds] = episodes
+            if labels is not None:
+                state.label[worlds] = labels
+
+    def _end(self, message: EpisodeEnd) -> None:
+        worlds, episodes = _host(message.worlds), _host(message.episodes)
+        n = worlds.shape[0]
+        outcomes = np.stack([_host(t).astype(np.float64).reshape(n) for t in
+                             (message.success, message.terminated, message.truncated,
+                              message.length)], axis=1)
+        values: dict[str, np.ndarray] = {}
+        labels: dict[str, np.ndarray] = {}
+        capacity = self._capacity.get(message.run, 0)
+        for key, state in self._runs.get(message.run, {}).items():
+            known = worlds < capacity
+            at = np.where(known, worlds, 0)
+            current = known & (state.episode[at] == episodes)
+            values[key] = np.where(current[:, None], state.value[at], state.build[at])
+            values[key][~known] = np.nan
+            if self._factors[key].categorical:
+                label = np.where(current, state.label[at], state.build_label[at])
+                label[~known] = None
+                labels[key] = label
+        self._chunks.append(_Chunk(message.run, worlds, episodes, outcomes, values, labels))
+        self._rows += n
+
+    # -- reading -------------------------------------------------------------------------
+
+    def __len__(self) -> int:
+        return self._rows
+
+    @property
+    def keys(self) -> tuple[str, ...]:
+        """The variation keys seen, sorted (the order of the factor columns)."""
+        return tuple(sorted(self._factors))
+
+    @property
+    def x_columns(self) -> tuple[str, ...]:
+        """Numeric factor columns: ``key`` for scalars, ``key[i]`` per vector component."""
+        return tuple(c for k in self.keys for c in self._factors[k].columns(k))
+
+    @property
+    def columns(self) -> tuple[str, ...]:
+        """Every row column: keys, factor values (with ``key.label`` after each categorical
+        code), then the outcomes."""
+        cols = ["run", "world", "episode"]
+        for key in self.keys:
+            cols += self._factors[key].columns(key)
+            if self._factors[key].categorical:
+                cols.append(f"{key}.label")
+        return (*cols, *OUTCOME_COLUMNS)
+
+    def arrays(self) -> SampleArrays:
+        """The whole table as owned numpy arrays (built on each call)."""
+        keys = self.keys
+        widths = [self._factors[k].width for k in keys]
+        offsets = np.concatenate([[0], np.cumsum(widths, dtype=np.int64)])
+        x = np.full((self._rows, int(offsets[-1])), np.nan)
+        y = np.empty((self._rows, len(OUTCOME_COLUMNS)))
+        labels = {k: np.full(self._rows, None, dtype=object) for k in keys
+                  if self._factors[k].categorical}
+        runs: list[str] = []
+        row = 0
+        for chunk in self._chunks:
+            end = row + chunk.world.shape[0]
+            y[row:end] = chunk.outcomes
+            runs += [chunk.run] * (end - row)
+            for i, key in enumerate(keys):
+                if key in chunk.values:
+                    x[row:end, offsets[i]:offsets[i + 1]] = chunk.values[key]
+                if key in chunk.labels:
+                    labels[key][row:end] = chunk.labels[key]
+            row = end
+        empty = np.empty(0, dtype=np.int64)
+        world = np.concatenate([c.world for c in self._chunks]) if self._chunks else empty
+        episode = np.concatenate([c.episode for c in self._chunks]) if self._chunks else empty
+        return SampleArrays(np.array(runs, dtype=str), world, episode, x, y, self.x_columns,
+                            OUTCOME_COLUMNS, labels)
+
+    def to_numpy(self) -> tuple[np.ndarray, np.ndarray]:
+        """``(X, Y)``: factors and outcomes; column names in ``x_columns`` and
+        ``OUTCOME_COLUMNS``."""
+        a = self.arrays()
+        return a.x, a.y
+
+    def _columns(self) -> dict[str, np.ndarray]:
+        a = self.arrays()
+        out: dict[str, np.ndarray] = {"run": a.run, "world": a.world, "episode": a.episode}
+        j = 0
+        for key in self.keys:
+            factor = self._factors[key]
+            for name in factor.columns(key):
+                out[name] = a.x[:, j]
+                j += 1
+            if factor.categorical:
+                out[f"{key}.label"] = a.labels[key]
+        for i, name in enumerate(OUTCOME_COLUMNS):
+            out[name] = a.y[:, i].astype(np.int64 if name == "length" else bool)
+        return out
+
+    def rows(self) -> list[dict[str, Any]]:
+        """One dict per finished episode, keyed by ``columns`` (Python scalars)."""
+        cols = self._columns()
+        lists = {name: np.asarray(col, dtype=object).tolist() if name.endswith(".label")
+                 else np.asarray(col).tolist() for name, col in cols.items()}
+        return [{name: lists[name][i] for name in cols} for i in range(self._rows)]
+
+    def to_pandas(self) -> Any:
+        """The table as a ``pandas.DataFrame`` (pandas is imported here, on demand).
+
+        Raises:
+            ImportError: pandas is not installed.
+        """
+        try:
+            pandas = importlib.import_module("pandas")
+        except ImportError as exc:
+            raise ImportError("SampleTable.to_pandas() needs pandas: pip install pandas") from exc
+        return pandas.DataFrame(self._columns())

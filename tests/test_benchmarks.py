@@ -1,0 +1,50 @@
+"""Every benchmark runs at tiny sizes and prints a JSON document, so none of them rots."""
+
+from __future__ import annotations
+
+import json
+import os
+import pkgutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import benchmarks
+
+ROOT = Path(__file__).resolve().parents[1]
+
+TINY: dict[str, list[str]] = {
+    "retention": ["--worlds", "8", "16", "--trials", "2", "--appends", "3"],
+    "transport": ["--worlds", "8", "--seconds", "0.5"],
+    "pipeline": ["--worlds", "8", "--seconds", "1"],
+    "capture": ["--worlds", "8", "--steps", "5", "--trials", "2"],
+}
+
+MODULES = sorted(m.name for m in pkgutil.iter_modules(benchmarks.__path__) if not m.name.startswith("_"))
+
+
+def test_every_benchmark_has_a_tiny_configuration() -> None:
+    assert MODULES, "no benchmarks found"
+    assert set(MODULES) <= set(TINY), f"add tiny arguments for {sorted(set(MODULES) - set(TINY))}"
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("name", MODULES)
+def test_benchmark_smoke(name: str, tmp_path: Path) -> None:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run(
+        [sys.executable, "-m", f"benchmarks.{name}", "--json", *TINY[name]],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=170,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    doc = json.loads(proc.stdout)
+    assert doc["machine"]["python"]
+    assert doc["cases"], doc
+    if name == "retention":
+        for case in doc["cases"]:
+            assert case["byte_equal"] is True
+            assert set(case["append_ms"]) == {"baseline", "batched", "floor"}
+            assert len(case["append_ms"]["batched"]["samples"]) == 2
+            assert case["speedup_vs_baseline"] > 0
