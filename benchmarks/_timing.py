@@ -81,7 +81,7 @@ def machine() -> dict[str, Any]:
 
 
 def versions() -> dict[str, str]:
-    out = {"torch": torch.__version__}
+    out: dict[str, str] = {"torch": torch.__version__}
     for mod in ("numpy", "zmq", "zarr", "msgpack"):
         try:
             m = __import__(mod)

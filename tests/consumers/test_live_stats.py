@@ -32,8 +32,8 @@ def test_moments_match_numpy_over_every_row_and_sources_stay_borrowed() -> None:
     s = stats.summary()
     fx = s.fields["t/x"]
     assert fx.count == 45
-    np.testing.assert_allclose(fx.mean, xs.mean(0), rtol=1e-12)
-    np.testing.assert_allclose(fx.std, xs.std(0, ddof=1), rtol=1e-12)
+    np.testing.assert_allclose(fx.mean, xs.mean(0), rtol=1e-6)
+    np.testing.assert_allclose(fx.std, xs.std(0, ddof=1), rtol=1e-6)
     np.testing.assert_array_equal(fx.min, xs.min(0))
     np.testing.assert_array_equal(fx.max, xs.max(0))
     np.testing.assert_allclose(s.fields["t/flag"].mean, fs.mean())

@@ -1,0 +1,102 @@
+"""Capture benchmark: simulation-thread cost per step with no consumer, each consumer, and all.
+
+``python -m benchmarks.capture [--json] [--device cuda] [--worlds 4096]``
+
+One recorder term publishes the seed payload every step; each case subscribes a different set
+of consumers to the broker. The cost is the time ``record_post_step`` takes in the simulation
+thread, measured in randomized paired trials, next to a plain memcpy of the payload.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from broker import Broker
+from capture import FunctionTerm, Recorder
+from consumers import LiveStatistics, Retention
+
+from . import _timing
+from ._payload import make_payload, payload_bytes
+
+CONSUMERS: dict[str, Callable[[], list[Any]]] = {
+    "none": lambda: [],
+    "live_statistics": lambda: [LiveStatistics()],
+    "retention": lambda: [Retention()],
+    "all": lambda: [LiveStatistics(), Retention()],
+}
+
+
+def _resetter(consumers: list[Any]) -> Callable[[], None]:
+    def reset() -> None:
+        for c in consumers:
+            if isinstance(c, Retention):
+                c.reset()
+
+    return reset
+
+
+def run_case(worlds: int, device: torch.device, steps: int, trials: int, seed: int) -> dict[str, Any]:
+    payload = make_payload(worlds, device, seed=seed)
+    flat = torch.cat([t.reshape(-1).view(torch.uint8) for t in payload.values()])
+    target = torch.empty_like(flat)
+    cases: dict[str, tuple[Callable[[], None], Callable[[], None]]] = {}
+    recorders: list[Recorder] = []
+    for name, make in CONSUMERS.items():
+        broker = Broker()
+        consumers = make()
+        for c in consumers:
+            c.attach(broker)
+        rec = Recorder(worlds, device, broker, run=name)
+        rec.add_term("transition", FunctionTerm(post_step=lambda: payload))
+        recorders.append(rec)
+
+        cases[name] = (_resetter(consumers), rec.record_post_step)
+
+    def memcpy() -> None:
+        target.copy_(flat)
+
+    cases["memcpy"] = (lambda: None, memcpy)
+    for reset, op in cases.values():  # warm-up
+        for _ in range(2):
+            reset()
+            for _ in range(steps):
+                op()
+    values, orders = _timing.paired_trials(cases, trials=trials, repeats=steps, device=device, seed=seed)
+    med = {name: _timing.stats(v) for name, v in values.items()}
+    base = med["memcpy"]["median"]
+    return {
+        "worlds": worlds,
+        "payload_bytes": payload_bytes(payload),
+        "step_ms": med,
+        "ratio_to_memcpy": {name: m["median"] / base for name, m in med.items()},
+        "order": orders,
+    }
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = _timing.base_parser("capture: simulation-thread cost per step")
+    parser.add_argument("--worlds", type=int, nargs="+", default=[256, 4096])
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--trials", type=int, default=5)
+    parser.add_argument("--seed", type=int, default=42)
+    args = parser.parse_args(argv)
+    device = torch.device(args.device)
+    with torch.no_grad():
+        cases = [run_case(w, device, args.steps, args.trials, args.seed) for w in args.worlds]
+    doc = {"benchmark": "capture", "device": str(device), "cases": cases, "machine": _timing.machine(),
+           "torch": torch.__version__, "versions": _timing.versions()}
+    if args.json:
+        _timing.print_json(doc)
+    else:
+        names = list(cases[0]["step_ms"])
+        rows = [[c["worlds"], *(c["step_ms"][n]["median"] for n in names)] for c in cases]
+        print(_timing.table(["worlds", *(f"{n}_ms" for n in names)], rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
