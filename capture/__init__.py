@@ -1,6 +1,13 @@
 """worldtap.capture: the producer side (recorder, terms, selectors, variations)."""
 
-from .errors import CaptureError, RecorderClosedError, SchemaError, SelectorError, TermError
+from .errors import (
+    CaptureError,
+    RecorderClosedError,
+    SchemaError,
+    SelectorError,
+    TermError,
+    VariationError,
+)
 from .recorder import Recorder
 from .selectors import WorldSelector, normalize_worlds
 from .terms import FieldTree, FunctionTerm, Term, flatten_fields
@@ -15,6 +22,7 @@ __all__ = [
     "SelectorError",
     "Term",
     "TermError",
+    "VariationError",
     "WorldSelector",
     "flatten_fields",
     "normalize_worlds",

@@ -2,7 +2,14 @@
 
 from __future__ import annotations
 
-__all__ = ["CaptureError", "RecorderClosedError", "SchemaError", "SelectorError", "TermError"]
+__all__ = [
+    "CaptureError",
+    "RecorderClosedError",
+    "SchemaError",
+    "SelectorError",
+    "TermError",
+    "VariationError",
+]
 
 
 class CaptureError(Exception):
@@ -23,3 +30,8 @@ class TermError(CaptureError, ValueError):
 
 class RecorderClosedError(CaptureError, RuntimeError):
     """The recorder was closed and records nothing more."""
+
+
+class VariationError(CaptureError, ValueError):
+    """A variation's configuration or one of its draws was invalid (bad bounds, choices or
+    labels, a duplicate key, a draw whose size does not match its worlds, a late build draw)."""

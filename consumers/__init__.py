@@ -1,10 +1,12 @@
 """worldtap.consumers: things that consume the stream (retention, live statistics, analysis)."""
 
-from .errors import ConsumersError, RetentionError
+from .errors import ConsumersError, RetentionError, SampleTableError
 from .live_stats import FieldStatistics, LiveStatistics, LiveSummary
 from .retention import FinishedEpisode, Retention, RetentionStatistics
+from .sample_table import OUTCOME_COLUMNS, SampleArrays, SampleTable
 
 __all__ = [
+    "OUTCOME_COLUMNS",
     "ConsumersError",
     "FieldStatistics",
     "FinishedEpisode",
@@ -13,4 +15,7 @@ __all__ = [
     "Retention",
     "RetentionError",
     "RetentionStatistics",
+    "SampleArrays",
+    "SampleTableError",
+    "SampleTable",
 ]

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["ConsumersError", "RetentionError"]
+__all__ = ["ConsumersError", "RetentionError", "SampleTableError"]
 
 
 class ConsumersError(Exception):
@@ -11,3 +11,7 @@ class ConsumersError(Exception):
 
 class RetentionError(ConsumersError, ValueError):
     """A batch does not fit the retention buffers (unknown worlds, changed schema, ...)."""
+
+
+class SampleTableError(ConsumersError, ValueError):
+    """A variation sample does not fit the table (value/worlds mismatch, changed shape, ...)."""

@@ -27,6 +27,8 @@ import torch
 from broker import Broker, EpisodeEnd, Message, RunEnd, Subscription, VariationSample
 from broker.messages import BUILD
 
+from .errors import SampleTableError
+
 __all__ = ["OUTCOME_COLUMNS", "SampleArrays", "SampleTable"]
 
 OUTCOME_COLUMNS = ("success", "terminated", "truncated", "length")
@@ -113,7 +115,7 @@ class SampleTable:
     messages are ignored, except ``RunEnd``, which frees that run's join state.
 
     Raises (from the delivery call):
-        ValueError: A sample's value does not match its worlds, or a key changes its
+        SampleTableError: A sample's value does not match its worlds, or a key changes its
             per-world shape or switches between categorical and numeric.
     """
 
@@ -159,7 +161,7 @@ class SampleTable:
         factor = _Factor(tuple(message.value.shape[1:]), message.labels is not None)
         known = self._factors.setdefault(message.key, factor)
         if known != factor:
-            raise ValueError(
+            raise SampleTableError(
                 f"topic {message.topic!r}: expected per-world shape {known.shape} "
                 f"({'categorical' if known.categorical else 'numeric'}), got {factor.shape} "
                 f"({'categorical' if factor.categorical else 'numeric'})"
@@ -170,7 +172,7 @@ class SampleTable:
         worlds, episodes = _host(message.worlds), _host(message.episodes)
         n = worlds.shape[0]
         if message.value.dim() == 0 or message.value.shape[0] != n or episodes.shape != (n,):
-            raise ValueError(
+            raise SampleTableError(
                 f"topic {message.topic!r}: expected value and episodes with a leading dimension "
                 f"of {n}, got shapes {tuple(message.value.shape)} and {episodes.shape}"
             )
@@ -181,7 +183,7 @@ class SampleTable:
         if message.labels is not None:
             codes = raw[:, 0].astype(np.int64)
             if n and (codes.min() < 0 or codes.max() >= len(message.labels)):
-                raise ValueError(
+                raise SampleTableError(
                     f"topic {message.topic!r}: expected codes in [0, {len(message.labels)}), "
                     f"got {codes.min()}..{codes.max()}"
                 )

@@ -1,0 +1,200 @@
+"""SampleTable: joining variation samples with episode outcomes into (X, Y)."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from broker import Broker, EpisodeEnd, RunEnd, VariationSample
+from capture import Recorder
+from capture.variations import ChoiceCfg, UniformCfg, Variation, VariationCfg, VariationRecorder
+from consumers.sample_table import OUTCOME_COLUMNS, SampleTable
+
+
+def _i(*v: int) -> torch.Tensor:
+    return torch.tensor(v, dtype=torch.int64)
+
+
+def _b(*v: bool) -> torch.Tensor:
+    return torch.tensor(v, dtype=torch.bool)
+
+
+def _sample(key: str, phase: str, worlds: torch.Tensor, episodes: torch.Tensor,
+            value: torch.Tensor, labels: tuple[str, ...] | None = None,
+            run: str = "r") -> VariationSample:
+    return VariationSample(run, 0, 0, key, phase, worlds, episodes, value,  # type: ignore[arg-type]
+                           labels)
+
+
+def _end(worlds: torch.Tensor, episodes: torch.Tensor, success: torch.Tensor,
+         length: torch.Tensor, run: str = "r") -> EpisodeEnd:
+    n = worlds.shape[0]
+    return EpisodeEnd(run, 0, 0, worlds, episodes, success, torch.zeros(n, dtype=torch.bool),
+                      ~success, length)
+
+
+def test_joins_wire_style_messages_into_rows() -> None:
+    table = SampleTable()
+    table(_sample("mass", "build", _i(0, 1, 2), _i(0, 0, 0),
+                  torch.tensor([[1.0, 10.0], [2.0, 20.0], [3.0, 30.0]])))
+    table(_sample("friction", "runtime", _i(0, 1, 2), _i(0, 0, 0), torch.tensor([0.1, 0.2, 0.3])))
+    table(_sample("object", "runtime", _i(0, 1, 2), _i(0, 0, 0), _i(2, 0, 1),
+                  ("cube", "ball", "mug")))
+    table(_end(_i(1), _i(0), _b(True), _i(5)))
+    table(_sample("friction", "runtime", _i(1), _i(1), torch.tensor([0.9])))  # world 1, ep 1
+    table(_end(_i(2, 1), _i(0, 1), _b(False, True), _i(7, 3)))
+    table(_end(_i(1, 0), _i(2, 0), _b(False, False), _i(4, 9)))  # world 1, ep 2: no draw
+    assert table.x_columns == ("friction", "mass[0]", "mass[1]", "object")
+    assert table.columns == ("run", "world", "episode", "friction", "mass[0]", "mass[1]",
+                             "object", "object.label", *OUTCOME_COLUMNS)
+    rows = table.rows()
+    assert len(table) == len(rows) == 5
+    assert [(r["world"], r["episode"]) for r in rows] == [(1, 0), (2, 0), (1, 1), (1, 2), (0, 0)]
+    assert rows[0] == {"run": "r", "world": 1, "episode": 0, "friction": pytest.approx(0.2),
+                       "mass[0]": 2.0, "mass[1]": 20.0, "object": 0.0, "object.label": "cube",
+                       "success": True, "terminated": False, "truncated": False, "length": 5}
+    assert rows[2]["friction"] == pytest.approx(0.9)
+    assert rows[2]["object.label"] is None  # no object draw for episode 1
+    assert math.isnan(rows[2]["object"])
+    assert math.isnan(rows[3]["friction"])
+    assert rows[3]["mass[1]"] == 20.0  # build-time samples join every episode
+    assert rows[4]["object.label"] == "mug"
+    x, y = table.to_numpy()
+    assert x.shape == (5, 4)
+    assert y.shape == (5, 4)
+    np.testing.assert_array_equal(y[:, 0], [1, 0, 1, 0, 0])
+    np.testing.assert_array_equal(y[:, 3], [5, 7, 3, 4, 9])
+    np.testing.assert_allclose(x[:, 1], [2, 3, 2, 2, 1])
+    arrays = table.arrays()
+    assert arrays.y_columns == OUTCOME_COLUMNS
+    np.testing.assert_array_equal(arrays.world, [1, 2, 1, 1, 0])
+    np.testing.assert_array_equal(arrays.episode, [0, 0, 1, 2, 0])
+    assert arrays.labels["object"].tolist() == ["cube", "ball", None, None, "mug"]
+
+
+def test_keeps_copies_of_borrowed_tensors() -> None:
+    table = SampleTable()
+    worlds, episodes, value = _i(0, 1), _i(0, 0), torch.tensor([0.5, 0.6])
+    table(_sample("friction", "runtime", worlds, episodes, value))
+    value.fill_(-1)
+    episodes.fill_(3)
+    success, length, ended = _b(True, False), _i(4, 5), _i(0, 1)
+    end_episodes = _i(0, 0)
+    table(_end(ended, end_episodes, success, length))
+    success.bitwise_not_()  # the publisher reuses every buffer of the message
+    for t in (length, ended, end_episodes):
+        t.fill_(9)
+    x, y = table.to_numpy()
+    np.testing.assert_array_equal(table.arrays().world, [0, 1])
+    np.testing.assert_array_equal(table.arrays().episode, [0, 0])
+    np.testing.assert_allclose(x[:, 0], [0.5, 0.6])
+    np.testing.assert_array_equal(y[:, 0], [1, 0])
+    np.testing.assert_array_equal(y[:, 3], [4, 5])
+
+
+def test_runs_are_kept_apart_and_keys_seen_late_are_missing_earlier() -> None:
+    table = SampleTable()
+    table(_sample("friction", "runtime", _i(0), _i(0), torch.tensor([0.5]), run="a"))
+    table(_end(_i(0), _i(0), _b(True), _i(1), run="a"))
+    table(_end(_i(0), _i(0), _b(True), _i(2), run="b"))  # same world id, other run
+    table(_sample("mass", "build", _i(0, 5), _i(0, 0), torch.tensor([2.0, 3.0]), run="b"))
+    table(_end(_i(5), _i(0), _b(False), _i(3), run="b"))
+    table(RunEnd("a", 0, 0, 1, "cpu"))
+    rows = table.rows()
+    assert [r["run"] for r in rows] == ["a", "b", "b"]
+    assert rows[0]["friction"] == 0.5
+    assert math.isnan(rows[0]["mass"])
+    assert math.isnan(rows[1]["friction"])
+    assert math.isnan(rows[1]["mass"])
+    assert rows[2]["mass"] == 3.0
+
+
+def test_inconsistent_samples_are_rejected() -> None:
+    table = SampleTable()
+    table(_sample("mass", "build", _i(0), _i(0), torch.tensor([[1.0, 2.0]])))
+    with pytest.raises(ValueError, match=r"topic 'variation/mass': expected per-world shape "
+                                         r"\(2,\) \(numeric\), got \(3,\) \(numeric\)"):
+        table(_sample("mass", "build", _i(0), _i(0), torch.tensor([[1.0, 2.0, 3.0]])))
+    with pytest.raises(ValueError, match=r"expected value and episodes with a leading "
+                                         r"dimension of 2"):
+        table(_sample("friction", "runtime", _i(0, 1), _i(0, 0), torch.tensor([1.0])))
+    with pytest.raises(ValueError, match=r"expected codes in \[0, 2\), got 0..5"):
+        table(_sample("object", "runtime", _i(0, 1), _i(0, 0), _i(0, 5), ("a", "b")))
+
+
+def test_empty_table() -> None:
+    table = SampleTable()
+    x, y = table.to_numpy()
+    assert x.shape == (0, 0)
+    assert y.shape == (0, 4)
+    assert table.rows() == []
+    assert table.columns == ("run", "world", "episode", *OUTCOME_COLUMNS)
+
+
+def test_to_pandas() -> None:
+    pytest.importorskip("pandas")
+    table = SampleTable()
+    table(_sample("object", "runtime", _i(0), _i(0), _i(1), ("cube", "ball")))
+    table(_end(_i(0), _i(0), _b(True), _i(8)))
+    frame = table.to_pandas()
+    assert list(frame.columns) == list(table.columns)
+    assert frame["object.label"].tolist() == ["ball"]
+    assert frame["length"].tolist() == [8]
+
+
+def test_joins_a_real_recorder_loop_on_a_strict_broker() -> None:
+    n = 5
+    broker = Broker(strict=True)
+    table = SampleTable()
+    table.attach(broker)
+    recorder = Recorder(n, broker=broker, run="sim")
+    mass = Variation("mass", VariationCfg(sampler=UniformCfg([1, 2], [2, 3], seed=1),
+                                          phase="build"))
+    friction = Variation("friction", VariationCfg(sampler=UniformCfg(0, 1, seed=2)))
+    obj = Variation("object", VariationCfg(sampler=ChoiceCfg(["cube", "ball", "mug"], seed=3)))
+    VariationRecorder(recorder).attach([mass, friction, obj])
+    episode = [0] * n
+    truth: dict[tuple[int, int], tuple[float, str, bool, int]] = {}
+    drawn: dict[tuple[int, int], tuple[float, str]] = {}
+
+    def draw(worlds: list[int]) -> None:
+        f, o = friction.sample(len(worlds), worlds), obj.sample(len(worlds), worlds)
+        for i, w in enumerate(worlds):
+            drawn[(w, episode[w])] = (float(f[i]), ("cube", "ball", "mug")[int(o[i])])
+        f.fill_(-1)
+
+    build = mass.sample(n).clone()
+    draw(list(range(n)))
+    rng = random.Random(1)
+    age, life = [0] * n, [rng.randint(1, 5) for _ in range(n)]
+    for _ in range(30):
+        recorder.record_post_step()
+        age = [a + 1 for a in age]
+        done = [w for w in range(n) if age[w] >= life[w]]
+        if not done:
+            continue
+        success = [rng.random() < 0.5 for _ in done]
+        recorder.record_pre_reset(done, success=torch.tensor(success))
+        for w, s in zip(done, success, strict=True):
+            truth[(w, episode[w])] = (*drawn[(w, episode[w])], s, age[w])
+            episode[w] += 1
+            age[w], life[w] = 0, rng.randint(1, 5)
+        draw(done)
+    recorder.close()
+    rows = table.rows()
+    assert len(rows) == len(truth) > 2 * n
+    for row in rows:
+        w, e = row["world"], row["episode"]
+        friction_value, label, success_flag, length = truth[(w, e)]
+        assert row["run"] == "sim"
+        assert row["friction"] == pytest.approx(friction_value)
+        assert row["object.label"] == label
+        assert row["success"] is success_flag
+        assert row["length"] == length
+        assert row["mass[0]"] == pytest.approx(float(build[w, 0]))
+        assert row["mass[1]"] == pytest.approx(float(build[w, 1]))
+    assert broker.statistics().consumer_errors == 0
