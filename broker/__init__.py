@@ -1,7 +1,16 @@
-"""worldtap.broker: the in-process pub/sub and (in later modules) its ZeroMQ bridge."""
+"""worldtap.broker: the in-process pub/sub, its wire codec and its ZeroMQ bridge."""
 
 from .bus import Broker, BrokerStatistics, Consumer, Subscription
-from .errors import BrokerClosedError, BrokerError, ConsumerError
+from .errors import (
+    BrokerClosedError,
+    BrokerError,
+    ConsumerError,
+    SecurityError,
+    SendTimeoutError,
+    SubscriberTimeoutError,
+    TransportError,
+    WireFormatError,
+)
 from .messages import (
     BUILD,
     RUNTIME,
@@ -19,9 +28,15 @@ from .messages import (
     batch_topic,
     variation_topic,
 )
+from .security import CurveClient, CurveServer, KeyPair, load_keypair, load_public_keys, write_keypair
+from .wire import PROTOCOL_VERSION, decode, encode
+from .zmq_publisher import DEFAULT_ENDPOINT, Policy, PublisherStatistics, ZmqPublisher
+from .zmq_subscriber import Gap, Subscriber, SubscriberStatistics
 
 __all__ = [
     "BUILD",
+    "DEFAULT_ENDPOINT",
+    "PROTOCOL_VERSION",
     "RUNTIME",
     "TOPIC_EPISODE_END",
     "TOPIC_RUN_END",
@@ -33,14 +48,33 @@ __all__ = [
     "BrokerStatistics",
     "Consumer",
     "ConsumerError",
+    "CurveClient",
+    "CurveServer",
     "EpisodeEnd",
     "FieldSpec",
+    "Gap",
+    "KeyPair",
     "Message",
     "Phase",
+    "Policy",
+    "PublisherStatistics",
     "RunEnd",
     "RunStart",
+    "SecurityError",
+    "SendTimeoutError",
+    "Subscriber",
+    "SubscriberStatistics",
+    "SubscriberTimeoutError",
     "Subscription",
+    "TransportError",
     "VariationSample",
+    "WireFormatError",
+    "ZmqPublisher",
     "batch_topic",
+    "decode",
+    "encode",
+    "load_keypair",
+    "load_public_keys",
     "variation_topic",
+    "write_keypair",
 ]

@@ -1,0 +1,269 @@
+"""Transport benchmark: ZmqPublisher -> Subscriber across processes against raw pyzmq PUSH/PULL.
+
+``python -m benchmarks.transport [--json] [--worlds 256 4096] [--seconds N] [--transports ipc tcp]``
+
+For each transport and world count, one receiver process (started once) takes, in turn:
+raw PUSH/PULL of the payload's bytes (the ceiling), then the worldtap path (broker ->
+ZmqPublisher -> Subscriber with full decoding). Reported: payload GB/s and messages/s at the
+receiver, their ratio, the simulation-thread cost per publish against a memcpy of the payload
+(randomized paired trials, staging ring not full), and a lossless check (every sequence number
+received, adler32 checksums of randomized batches equal on both sides).
+Budgets: >= 70% of raw throughput at 4096 worlds; publish <= 2x memcpy.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import tempfile
+import time
+import zlib
+from multiprocessing.connection import Connection
+from typing import Any
+
+import torch
+import zmq
+
+from benchmarks._timing import base_parser, machine, paired_trials, print_json, stats, table, versions
+from broker import Batch, Broker, RunEnd, RunStart, Subscriber, ZmqPublisher
+
+WIDTHS = {"state": 37, "next_state": 37, "control": 19, "contacts": 72}
+FLAGS = ("terminated", "truncated", "valid")
+VERIFY = 16  # randomized batches whose checksums are compared
+
+
+def payload(worlds: int) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+    """The seed payload (as the retention benchmark): four float32 fields and three bool ones."""
+    fields: dict[str, torch.Tensor] = {k: torch.randn(worlds, w) for k, w in WIDTHS.items()}
+    fields.update({k: torch.rand(worlds) > 0.5 for k in FLAGS})
+    return torch.arange(worlds), torch.zeros(worlds, dtype=torch.int64), fields
+
+
+def _tensors(b: Batch) -> list[torch.Tensor]:
+    return [b.worlds, b.episodes, *b.fields.values()]
+
+
+def checksum(tensors: list[torch.Tensor]) -> int:
+    value = 1
+    for t in tensors:
+        value = zlib.adler32(t.contiguous().reshape(-1).view(torch.uint8).numpy().data, value)
+    return value
+
+
+# -- receiver process ------------------------------------------------------------------------
+
+
+def _recv_raw(endpoint: str, conn: Connection) -> dict[str, Any]:
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.PULL)
+    sock.connect(endpoint)
+    conn.send("ready")
+    count = nbytes = 0
+    first = last = 0.0
+    while True:
+        frames = sock.recv_multipart(copy=False)
+        if len(frames) == 1:
+            break
+        last = time.perf_counter()
+        if count == 0:
+            first = last
+        count += 1
+        nbytes += sum(len(f) for f in frames)
+    sock.close(linger=0)
+    ctx.term()
+    return {"messages": count, "bytes": nbytes, "seconds": last - first}
+
+
+def _recv_worldtap(endpoint: str, conn: Connection) -> dict[str, Any]:
+    sub = Subscriber(endpoint)
+    conn.send("ready")
+    seqs: set[int] = set()
+    sums: dict[int, int] = {}
+    count = nbytes = gaps = 0
+    first = last = 0.0
+    expected = -1
+    for item in sub:
+        if isinstance(item, RunEnd):
+            expected = int(item.metadata["batches"])
+            break
+        if not isinstance(item, Batch):
+            gaps += 1 if type(item).__name__ == "Gap" else 0
+            continue
+        seqs.add(item.seq)
+        if item.topic == "batch/verify":
+            sums[item.seq] = checksum(_tensors(item))
+        elif item.topic == "batch/seed":
+            last = time.perf_counter()
+            if count == 0:
+                first = last
+            count += 1
+            nbytes += sum(t.numel() * t.element_size() for t in _tensors(item))
+    stats_ = sub.statistics()
+    sub.close()
+    return {"messages": count, "bytes": nbytes, "seconds": last - first, "seqs": sorted(seqs),
+            "expected": expected, "gaps": gaps + stats_.gaps, "bad": stats_.bad_messages, "sums": sums}
+
+
+def _worker(conn: Connection) -> None:
+    torch.set_num_threads(1)
+    while (cmd := conn.recv()) is not None:
+        kind, endpoint = cmd
+        conn.send((_recv_raw if kind == "raw" else _recv_worldtap)(endpoint, conn))
+
+
+# -- publisher side ---------------------------------------------------------------------------
+
+
+def _raw(endpoint: str, worlds: int, seconds: float, conn: Connection) -> dict[str, Any]:
+    w, e, fields = payload(worlds)
+    frames = [b"batch/seed", b"h" * 200] + [t.numpy().data for t in [w, e, *fields.values()]]
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.PUSH)
+    sock.setsockopt(zmq.SNDHWM, 64)
+    sock.bind(endpoint)
+    conn.send(("raw", endpoint))
+    assert conn.recv() == "ready"
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        sock.send_multipart(frames, copy=False)
+    sock.send(b"")
+    result: dict[str, Any] = conn.recv()
+    sock.close(linger=-1)
+    ctx.term()
+    return result
+
+
+def _worldtap(endpoint: str, worlds: int, seconds: float, trials: int,
+              conn: Connection) -> tuple[dict[str, Any], dict[str, list[float]], bool]:
+    w, e, fields = payload(worlds)
+    slots = 8
+    # memcpy baseline: into one of `slots` rotating buffers, like the staging ring (a copy into
+    # the same cache-hot buffer every time would flatter the baseline)
+    dsts = [[t.clone() for t in [w, e, *fields.values()]] for _ in range(slots)]
+    turn = iter(range(1 << 62))
+    bus = Broker(strict=True)
+    pub = ZmqPublisher(endpoint, send_timeout=60.0, slots=slots)
+    bus.subscribe("", pub)
+    conn.send(("worldtap", endpoint))
+    assert conn.recv() == "ready"
+    pub.wait_for_subscribers(1, timeout=30)
+    seq = 0
+
+    def publish(topic: str = "batch/seed") -> None:
+        nonlocal seq
+        seq += 1
+        bus.publish(Batch("bench", seq, seq, topic, w, e, fields))
+
+    bus.publish(RunStart("bench", 0, 0, worlds, "cpu"))
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        publish()
+    pub.flush()
+
+    def memcpy() -> None:
+        for d, s in zip(dsts[next(turn) % slots], [w, e, *fields.values()], strict=True):
+            d.copy_(s)
+
+    repeats = 4  # half the ring: the simulation thread never waits for the network here
+    cost, _ = paired_trials({"memcpy": (lambda: None, memcpy),
+                             "publish": (pub.flush, lambda: publish("batch/cost"))},
+                            trials=trials, repeats=repeats, device="cpu")
+    sums = {}
+    for _ in range(VERIFY):
+        for t in fields.values():
+            t.copy_(torch.randn(t.shape) if t.dtype == torch.float32 else torch.rand(t.shape) > 0.5)
+        publish("batch/verify")
+        sums[seq] = checksum([w, e, *fields.values()])
+    bus.publish(RunEnd("bench", seq + 1, seq, worlds, "cpu", {}, {"batches": seq}))
+    pub.close()
+    result: dict[str, Any] = conn.recv()
+    lossless = (result["seqs"] == list(range(1, seq + 1)) and result["expected"] == seq
+                and result["gaps"] == 0 and result["bad"] == 0
+                and {int(k): v for k, v in result.pop("sums").items()} == sums)
+    result["published"] = seq
+    result["drops"] = pub.statistics().drops
+    del result["seqs"]
+    return result, cost, lossless
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = base_parser(__doc__.splitlines()[0])
+    parser.add_argument("--worlds", type=int, nargs="+", default=[256, 4096])
+    parser.add_argument("--seconds", type=float, default=3.0, help="duration of each throughput run")
+    parser.add_argument("--transports", nargs="+", default=["ipc", "tcp"], choices=["ipc", "tcp"])
+    parser.add_argument("--trials", type=int, default=0, help="paired cost trials (default: from --seconds)")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch intra-op threads of the publishing process (default 1: OpenMP "
+                             "workers spinning next to ZeroMQ's I/O thread distort small machines)")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    trials = args.trials or max(5, int(args.seconds * 10))
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    worker = ctx.Process(target=_worker, args=(child,), daemon=True)
+    worker.start()
+    rows, samples = [], []
+    try:
+        with tempfile.TemporaryDirectory(prefix="wt-bench-") as tmp:
+            names = iter(range(1_000_000))
+
+            def endpoint(transport: str) -> str:
+                return f"ipc://{tmp}/{next(names)}.ipc" if transport == "ipc" else f"tcp://127.0.0.1:{_free_port()}"
+
+            for transport in args.transports:
+                for worlds in args.worlds:
+                    raw = _raw(endpoint(transport), worlds, args.seconds, parent)
+                    ours, cost, lossless = _worldtap(endpoint(transport), worlds, args.seconds, trials, parent)
+                    sample = _summarize(transport, worlds, raw, ours, cost, lossless)
+                    samples.append(sample)
+                    rows.append([transport, worlds, sample["payload_kb"], sample["raw_gb_s"],
+                                 sample["worldtap_gb_s"], sample["throughput_ratio"], sample["worldtap_msg_s"],
+                                 sample["publish_ms"], sample["memcpy_ms"], sample["cost_ratio"], lossless])
+    finally:
+        parent.send(None)
+        worker.join(10)
+    big = [s for s in samples if s["worlds"] >= 4096]
+    budgets = {"throughput_ratio_at_4096_min": 0.7, "cost_ratio_max": 2.0,
+               "throughput_ok": all(s["throughput_ratio"] >= 0.7 for s in big) if big else None,
+               "cost_ok": all(s["cost_ratio"] <= 2.0 for s in big) if big else None,
+               "lossless": all(s["lossless"] for s in samples)}
+    if args.json:
+        print_json({"benchmark": "transport", "seconds": args.seconds, "trials": trials,
+                    "samples": samples, "budgets": budgets, "machine": machine(), "versions": versions()})
+    else:
+        print(table(["transport", "worlds", "payload kB", "raw GB/s", "worldtap GB/s", "ratio", "msg/s",
+                     "publish ms", "memcpy ms", "cost x", "lossless"], rows))
+        print(f"budgets: {budgets}")
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _summarize(transport: str, worlds: int, raw: dict[str, Any], ours: dict[str, Any],
+               cost: dict[str, list[float]], lossless: bool) -> dict[str, Any]:
+    def gbs(r: dict[str, Any]) -> float:
+        return r["bytes"] / r["seconds"] / 1e9 if r["seconds"] > 0 else 0.0
+
+    def mps(r: dict[str, Any]) -> float:
+        return r["messages"] / r["seconds"] if r["seconds"] > 0 else 0.0
+
+    publish, memcpy = stats(cost["publish"]), stats(cost["memcpy"])
+    _, _, fields = payload(1)
+    per_world = 16 + sum(t.element_size() * max(t[0].numel(), 1) for t in fields.values())
+    return {
+        "transport": transport, "worlds": worlds, "payload_kb": worlds * per_world / 1e3,
+        "raw_gb_s": gbs(raw), "raw_msg_s": mps(raw), "worldtap_gb_s": gbs(ours), "worldtap_msg_s": mps(ours),
+        "throughput_ratio": gbs(ours) / gbs(raw) if gbs(raw) else 0.0,
+        "publish_ms": publish["median"], "memcpy_ms": memcpy["median"],
+        "cost_ratio": publish["median"] / memcpy["median"] if memcpy["median"] else 0.0,
+        "lossless": lossless, "raw": raw, "worldtap": ours, "publish_trials_ms": publish,
+        "memcpy_trials_ms": memcpy,
+    }
+
+
+if __name__ == "__main__":
+    main()

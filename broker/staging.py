@@ -1,0 +1,153 @@
+"""The publisher's staging ring: reusable host buffers that messages are copied into once.
+
+A slot is owned by the simulation thread from :meth:`StagingRing.acquire` until it is handed to
+the sender thread, then by the sender until :meth:`StagingRing.release`, and then by ZeroMQ
+until the slot's message tracker is done (frames are sent zero-copy out of the slot). Only then
+is the slot reused, so the bytes a subscriber receives are the bytes that were staged.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any, Final
+
+import torch
+import zmq
+
+__all__ = ["Layout", "Slot", "Staged", "StagingRing"]
+
+_ALIGN: Final = 64
+
+Layout = list[tuple[int, int]]
+"""``(offset, nbytes)`` of each staged tensor inside its slot."""
+
+
+class Slot:
+    """One staging buffer (pinned when it has held CUDA tensors)."""
+
+    __slots__ = ("array", "buffer", "busy", "event", "tracker")
+
+    def __init__(self) -> None:
+        self.buffer: torch.Tensor | None = None
+        self.array: Any = None  # numpy view of ``buffer``, for zero-copy frames
+        self.busy = False
+        self.tracker: zmq.MessageTracker | None = None
+        self.event: Any = None  # torch.cuda.Event of the last staging copy
+
+    def ensure(self, nbytes: int, pinned: bool) -> torch.Tensor:
+        """The buffer, reallocated if it is too small (or not pinned when it must be)."""
+        if self.buffer is None or self.buffer.numel() < nbytes or (pinned and not self.buffer.is_pinned()):
+            self.buffer = torch.empty(max(nbytes, 4096), dtype=torch.uint8, pin_memory=pinned)
+            self.array = self.buffer.numpy()
+        return self.buffer
+
+    def frame(self, offset: int, nbytes: int) -> memoryview:
+        """A zero-copy view of staged bytes."""
+        return self.array[offset:offset + nbytes].data  # type: ignore[no-any-return]
+
+
+class Staged:
+    """A message waiting for the sender thread: its topic, header and (if it has tensors) slot."""
+
+    __slots__ = ("control", "event", "header", "layout", "nbytes", "slot", "topic")
+
+    def __init__(self, topic: bytes, header: bytes, slot: Slot | None, layout: Layout,
+                 event: Any, control: bool) -> None:
+        self.topic, self.header, self.slot, self.layout = topic, header, slot, layout
+        self.event, self.control = event, control
+        self.nbytes = len(topic) + len(header) + sum(nb for _, nb in layout)
+
+
+class StagingRing:
+    """A bounded ring of :class:`Slot`, used strictly in order.
+
+    Args:
+        slots: Number of slots (messages that may be staged or in flight at once).
+        cond: The condition the owner's sender thread notifies when it releases a slot.
+    """
+
+    def __init__(self, slots: int, cond: threading.Condition) -> None:
+        self.slots = [Slot() for _ in range(slots)]
+        self._next = 0
+        self._cond = cond
+        self._streams: dict[torch.device, Any] = {}
+        self.closed = False
+
+    def acquire(self, wait: bool, timeout: float) -> Slot | None:
+        """The next slot, once ZeroMQ is done with it; ``None`` if it is still in use and
+        ``wait`` is false, or after ``timeout`` seconds (the caller decides what that means)."""
+        slot = self.slots[self._next]
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while slot.busy and not self.closed:
+                remaining = deadline - time.monotonic()
+                if not wait or remaining <= 0:
+                    return None
+                self._cond.wait(remaining)
+            slot.busy = True
+        tracker = slot.tracker
+        if tracker is not None and not tracker.done:
+            try:
+                if not wait:
+                    raise zmq.NotDone
+                tracker.wait(max(deadline - time.monotonic(), 0.0))
+            except zmq.NotDone:
+                self.release(slot, None)
+                return None
+        slot.tracker = None
+        self._next = (self._next + 1) % len(self.slots)
+        return slot
+
+    def release(self, slot: Slot, tracker: zmq.MessageTracker | None) -> None:
+        """Give ``slot`` back; it is reused once ``tracker`` (if any) is done."""
+        with self._cond:
+            slot.tracker = tracker
+            slot.busy = False
+            self._cond.notify_all()
+
+    def stage(self, slot: Slot, tensors: list[torch.Tensor]) -> tuple[Layout, Any]:
+        """Copy ``tensors`` into ``slot`` (64-byte aligned). Returns the layout and, for CUDA
+        tensors, the event the sender must wait on before reading the slot (else ``None``)."""
+        layout: Layout = []
+        offset = 0
+        for t in tensors:
+            nbytes = t.numel() * t.element_size()
+            layout.append((offset, nbytes))
+            offset += -(-nbytes // _ALIGN) * _ALIGN
+        cuda = next((t.device for t in tensors if t.device.type == "cuda"), None)
+        buffer = slot.ensure(offset, pinned=cuda is not None)
+        if cuda is None:
+            for t, (off, nb) in zip(tensors, layout, strict=True):
+                if nb:
+                    buffer[off:off + nb].view(t.dtype).view(t.shape).copy_(t)
+            return layout, None
+        return layout, self._stage_cuda(slot, buffer, tensors, layout, cuda)
+
+    def _stage_cuda(self, slot: Slot, buffer: torch.Tensor, tensors: list[torch.Tensor],
+                    layout: Layout, device: torch.device) -> Any:
+        """Copy into the pinned slot on a side stream. The simulation's stream waits for the
+        copy on the GPU (so it may overwrite the tensors at once); the simulation thread does
+        not wait; the sender thread waits on the slot's event."""
+        stream = self._streams.get(device)
+        if stream is None:
+            stream = self._streams[device] = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
+        current = torch.cuda.current_stream(device)
+        stream.wait_stream(current)
+        with torch.cuda.stream(stream):
+            for t, (off, nb) in zip(tensors, layout, strict=True):
+                if nb:
+                    buffer[off:off + nb].view(t.dtype).view(t.shape).copy_(t, non_blocking=True)
+        if slot.event is None:
+            slot.event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        slot.event.record(stream)
+        current.wait_event(slot.event)
+        return slot.event
+
+    def close(self) -> None:
+        """Wake and fail every waiter (the sender thread has stopped)."""
+        with self._cond:
+            self.closed = True
+            for slot in self.slots:
+                slot.busy = False
+            self._cond.notify_all()

@@ -1,0 +1,305 @@
+"""The wire codec: byte-exact layout of every message kind, dtype round trips, and validation."""
+
+from __future__ import annotations
+
+import msgpack
+import numpy as np
+import pytest
+import torch
+import zmq
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from broker import (
+    Batch,
+    EpisodeEnd,
+    FieldSpec,
+    Message,
+    RunEnd,
+    RunStart,
+    VariationSample,
+    WireFormatError,
+    decode,
+    encode,
+)
+from broker.wire import REASONS
+
+W = torch.tensor([0, 2])
+E = torch.tensor([1, 0])
+
+# Frames shared by the message kinds below; every integer is little-endian.
+WORLDS_FRAME = b"\x00" * 8 + b"\x02" + b"\x00" * 7  # int64 [0, 2]
+EPISODES_FRAME = b"\x01" + b"\x00" * 7 + b"\x00" * 8  # int64 [1, 0]
+
+
+def _bytes(frames: list[bytes | memoryview]) -> list[bytes]:
+    return [bytes(f) for f in frames]
+
+
+def test_batch_is_byte_exact() -> None:
+    message = Batch("r1", 3, 7, "batch/obs", W, E, {
+        "x": torch.tensor([[1.0], [2.0]]), "done": torch.tensor([True, False])})
+    header = (
+        b"\x8a"  # msgpack map of 10 entries, in this order:
+        b"\xa1v\x01"  # "v": 1, the protocol version
+        b"\xa4kind\xa5batch"  # "kind": "batch"
+        b"\xa3run\xa2r1"  # "run": "r1"
+        b"\xa3seq\x03"  # "seq": 3, the recorder's sequence number
+        b"\xa4step\x07"  # "step": 7
+        b"\xa3pub\xa1p"  # "pub": "p", the publisher id
+        b"\xa1n\x02"  # "n": 2, the wire number within (pub, run, topic)
+        # "tensors": [[name, dtype, shape, frame index], ...] for the message's own tensors
+        b"\xa7tensors\x92\x94\xa6worlds\xa5int64\x91\x02\x00\x94\xa8episodes\xa5int64\x91\x02\x01"
+        # "fields": [["x", "float32", [2, 1], 2], ["done", "bool", [2], 3]]
+        b"\xa6fields\x92\x94\xa1x\xa7float32\x92\x02\x01\x02\x94\xa4done\xa4bool\x91\x02\x03"
+        b"\xa4hook\xa9post_step"  # "hook": "post_step"
+    )
+    assert _bytes(encode(message, publisher="p", number=2)) == [
+        b"batch/obs",  # topic: ZeroMQ filters on its prefix
+        header,
+        WORLDS_FRAME,  # frame 0: worlds
+        EPISODES_FRAME,  # frame 1: episodes
+        b"\x00\x00\x80?\x00\x00\x00@",  # frame 2: x, float32 [[1.0], [2.0]]
+        b"\x01\x00",  # frame 3: done, one byte per bool
+    ]
+
+
+def test_episode_end_is_byte_exact() -> None:
+    message = EpisodeEnd("r1", 4, 7, W, E, torch.tensor([True, False]), torch.tensor([False, False]),
+                         torch.tensor([False, True]), torch.tensor([5, 9]))
+    header = (
+        b"\x88"  # map of 8 entries
+        b"\xa1v\x01\xa4kind\xabepisode_end\xa3run\xa2r1\xa3seq\x04\xa4step\x07\xa3pub\xa1p\xa1n\x02"
+        b"\xa7tensors\x96"  # 6 own tensors, frames 0..5:
+        b"\x94\xa6worlds\xa5int64\x91\x02\x00\x94\xa8episodes\xa5int64\x91\x02\x01"
+        b"\x94\xa7success\xa4bool\x91\x02\x02\x94\xaaterminated\xa4bool\x91\x02\x03"
+        b"\x94\xa9truncated\xa4bool\x91\x02\x04\x94\xa6length\xa5int64\x91\x02\x05"
+    )
+    assert _bytes(encode(message, publisher="p", number=2)) == [
+        b"episode/end", header, WORLDS_FRAME, EPISODES_FRAME,
+        b"\x01\x00",  # success
+        b"\x00\x00",  # terminated
+        b"\x00\x01",  # truncated
+        b"\x05" + b"\x00" * 7 + b"\x09" + b"\x00" * 7,  # length, int64 [5, 9]
+    ]
+
+
+def test_variation_sample_is_byte_exact() -> None:
+    message = VariationSample("r1", 1, 0, "mass", "build", W, E,
+                              torch.tensor([0.5, 1.5], dtype=torch.float16))
+    header = (
+        b"\x8b"  # map of 11 entries
+        b"\xa1v\x01\xa4kind\xa9variation\xa3run\xa2r1\xa3seq\x01\xa4step\x00\xa3pub\xa1p\xa1n\x02"
+        b"\xa7tensors\x93\x94\xa6worlds\xa5int64\x91\x02\x00\x94\xa8episodes\xa5int64\x91\x02\x01"
+        b"\x94\xa5value\xa7float16\x91\x02\x02"
+        b"\xa3key\xa4mass"  # "key": "mass"
+        b"\xa5phase\xa5build"  # "phase": "build"
+        b"\xa6labels\xc0"  # "labels": nil (not categorical)
+    )
+    assert _bytes(encode(message, publisher="p", number=2)) == [
+        b"variation/mass", header, WORLDS_FRAME, EPISODES_FRAME,
+        b"\x00\x38\x00\x3e",  # value, float16 [0.5, 1.5] = 0x3800, 0x3e00
+    ]
+
+
+def test_run_start_and_end_are_byte_exact() -> None:
+    start = RunStart("r1", 0, 0, 2, "cpu", {"batch/obs": {"x": FieldSpec("float32", (1,))}},
+                     {"task": "lift"})
+    common = b"\xa3run\xa2r1"
+    assert _bytes(encode(start, publisher="p", number=2)) == [b"run/start", (
+        b"\x8c\xa1v\x01\xa4kind\xa9run_start" + common + b"\xa3seq\x00\xa4step\x00\xa3pub\xa1p\xa1n\x02"
+        b"\xa7tensors\x90"  # no tensor frames
+        b"\xaanum_worlds\x02\xa6device\xa3cpu"
+        # "schema": {"batch/obs": {"x": {"dtype": "float32", "shape": [1]}}}
+        b"\xa6schema\x81\xa9batch/obs\x81\xa1x\x82\xa5dtype\xa7float32\xa5shape\x91\x01"
+        b"\xa8metadata\x81\xa4task\xa4lift"  # "metadata": {"task": "lift"}
+    )]
+    end = RunEnd("r1", 5, 8, 2, "cpu")
+    assert _bytes(encode(end, publisher="p", number=2, streams={"batch/obs": 1})) == [b"run/end", (
+        b"\x8d\xa1v\x01\xa4kind\xa7run_end" + common + b"\xa3seq\x05\xa4step\x08\xa3pub\xa1p\xa1n\x02"
+        b"\xa7tensors\x90\xaanum_worlds\x02\xa6device\xa3cpu\xa6schema\x80\xa8metadata\x80"
+        b"\xa7streams\x81\xa9batch/obs\x01"  # messages numbered per topic in this run
+    )]
+
+
+DTYPES = [torch.bool, torch.uint8, torch.int32, torch.int64, torch.float16, torch.bfloat16,
+          torch.float32, torch.float64]
+
+
+def _values(dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    if dtype == torch.bool:
+        return torch.rand(shape) > 0.5
+    if dtype.is_floating_point:
+        return torch.randn(shape).to(dtype)
+    return torch.randint(0, 100, shape, dtype=dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", [(3,), (3, 0), (3, 2, 5), (0,)], ids=str)
+def test_field_round_trips_bit_exact(dtype: torch.dtype, shape: tuple[int, ...]) -> None:
+    n = shape[0]
+    value = _values(dtype, shape)
+    message = Batch("r", 1, 2, "batch/t", torch.arange(n), torch.zeros(n, dtype=torch.int64), {"v": value})
+    out = decode(encode(message))
+    assert isinstance(out, Batch)
+    got = out.fields["v"]
+    assert got.dtype == dtype
+    assert got.shape == value.shape
+    assert got.device.type == "cpu"
+    # compare raw bits (bfloat16/float16 included; NaN-safe)
+    assert got.reshape(-1).view(torch.uint8).tolist() == value.reshape(-1).view(torch.uint8).tolist()
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_zero_dim_tensor_round_trips(dtype: torch.dtype) -> None:
+    from broker.wire import _frame, _tensor  # the tensor <-> frame helpers, in isolation
+
+    value = _values(dtype, (1,)).reshape(())
+    frame = _frame(value)
+    assert frame.nbytes == value.element_size()  # one item, no shape bytes
+    name = str(dtype).removeprefix("torch.")
+    back = _tensor("batch/t", "v", name, (), bytearray(frame), memoryview(frame))
+    assert back.shape == ()
+    assert back.dtype == dtype
+    assert back.reshape(1).view(torch.uint8).tolist() == value.reshape(1).view(torch.uint8).tolist()
+
+
+def test_zero_dim_field_is_rejected_as_a_message() -> None:
+    message = Batch("r", 0, 0, "batch/t", W, E, {"s": torch.tensor(3.0)})
+    with pytest.raises(WireFormatError, match=r"'s': expected a leading worlds dimension of 2, got shape \(\)"):
+        decode(encode(message))
+
+
+def test_labels_metadata_and_hooks_round_trip() -> None:
+    v = VariationSample("r", 0, 0, "color", "build", W, E, torch.tensor([1, 0]), ("red", "blue"))
+    out = decode(encode(v))
+    assert isinstance(out, VariationSample)
+    assert out.labels == ("red", "blue")
+    assert out.topic == "variation/color"
+    start = RunStart("r", 0, 0, 2, "cuda:0", {"batch/a": {"x/y": FieldSpec("bfloat16", (2, 3))}},
+                     {"seed": 1, "nested": {"a": [1, 2.5, None, True, b"\x00"]}})
+    got = decode(encode(start))
+    assert isinstance(got, RunStart)
+    assert got.schema == start.schema
+    assert got.metadata == start.metadata
+    assert got.device == "cuda:0"
+    b = Batch("r", 1, 0, "batch/a", W, E, {}, "pre_reset")
+    assert decode(encode(b)).hook == "pre_reset"  # type: ignore[union-attr]
+
+
+def test_decode_wraps_zmq_frames_without_copy() -> None:
+    message = Batch("r", 0, 0, "batch/a", W, E, {"x": torch.arange(20_000, dtype=torch.float32).reshape(2, -1)})
+    frames = [zmq.Frame(bytes(f)) for f in encode(message)]
+    out = decode(frames)
+    assert isinstance(out, Batch)
+    address = np.frombuffer(frames[4].buffer, dtype=np.uint8).ctypes.data
+    assert out.fields["x"].data_ptr() == address  # the tensor lives in the received frame
+    assert torch.equal(out.fields["x"], message.fields["x"])
+
+
+def test_encode_frames_are_views_of_the_tensors() -> None:
+    x = torch.zeros(2, 4)
+    frames = encode(Batch("r", 0, 0, "batch/a", W, E, {"x": x}))
+    x += 1  # borrowed: the frame sees the change, so send before the tensors change
+    assert bytes(frames[4]) == torch.ones(2, 4).numpy().tobytes()
+
+
+def test_encode_rejects_what_the_wire_cannot_carry() -> None:
+    with pytest.raises(WireFormatError, match=r"tensor 'z': dtype torch.complex64 is not on the wire whitelist"):
+        encode(Batch("r", 0, 0, "batch/a", W, E, {"z": torch.zeros(2, dtype=torch.complex64)}))
+    with pytest.raises(WireFormatError, match="header cannot be encoded with msgpack") as info:
+        encode(RunStart("r", 0, 0, 2, "cpu", {}, {"bad": object()}))
+    assert info.value.reason == "encode"
+    assert isinstance(info.value.__cause__, TypeError)
+
+
+# -- bad input ---------------------------------------------------------------------------
+
+
+def _good() -> list[bytes]:
+    return _bytes(encode(Batch("r", 0, 0, "batch/a", W, E, {"x": torch.ones(2, 3)})))
+
+
+def _with_header(**changes: object) -> list[bytes]:
+    frames = _good()
+    head = msgpack.unpackb(frames[1])
+    head.update(changes)
+    frames[1] = msgpack.packb(head)
+    return frames
+
+
+def _field(entry: list[object]) -> list[bytes]:
+    return _with_header(fields=[entry])
+
+
+BAD: list[tuple[str, list[bytes], str, str]] = [
+    ("no frames", [], "missing frames", r"expected at least 2 frames \(topic, header\), got 0"),
+    ("topic only", _good()[:1], "missing frames", "got 1"),
+    ("truncated", _good()[:4], "missing frames", "header describes 3 tensor frames, got 2"),
+    ("extra frame", [*_good(), b"\x00"], "extra frames", "header describes 3 tensor frames, got 4"),
+    ("short frame", [*_good()[:4], _good()[4][:-1]], "shape", r"shape \[2, 3\] of float32 needs 24 bytes, frame has 23"),
+    ("shape mismatch", _field(["x", "float32", [2, 4], 2]), "shape", "needs 32 bytes, frame has 24"),
+    ("negative dim", _field(["x", "float32", [-2, 3], 2]), "shape", r"invalid shape \[-2, 3\]"),
+    ("unknown dtype", _field(["x", "complex64", [2, 3], 2]), "dtype", "dtype 'complex64' is not on the whitelist"),
+    ("object dtype", _field(["x", "object", [2, 3], 2]), "dtype", "'object'"),
+    ("bad entry", _field(["x", "float32"]), "header", r"must be \[name, dtype, shape, frame\]"),
+    ("frame reused", _field(["x", "float32", [2, 3], 0]), "header", "are not each of 0..2 once"),
+    ("wrong version", _with_header(v=2), "version", "unsupported protocol version 2"),
+    ("no version", [b"batch/a", msgpack.packb({"kind": "batch"})], "version", "version None"),
+    ("unknown kind", _with_header(kind="pickle"), "kind", "unknown message kind 'pickle'"),
+    ("bad seq", _with_header(seq=-1), "header", "header key 'seq' is missing or invalid: -1"),
+    ("bool seq", _with_header(seq=True), "header", "'seq'"),
+    ("bad hook", _with_header(hook="later"), "header", "unknown hook 'later'"),
+    ("not msgpack", [b"batch/a", b"\xc1"], "header", "header is not valid msgpack"),
+    ("not a map", [b"batch/a", msgpack.packb([1, 2])], "header", "must be a msgpack map, got list"),
+    ("ext type", [b"batch/a", msgpack.packb(msgpack.ExtType(5, b"x"))], "header", "ext type 5"),
+    ("topic kind", [b"episode/x", *_good()[1:]], "topic", "does not fit message kind 'batch'"),
+    ("topic utf8", [b"\xff\xfe", *_good()[1:]], "topic", "is not UTF-8"),
+    ("worlds dtype", _with_header(tensors=[["worlds", "int32", [4], 0], ["episodes", "int64", [2], 1]]),
+     "schema", "'worlds': expected int64"),
+    ("leading dim", [*_field(["x", "float32", [3, 2], 2])], "schema", r"leading worlds dimension of 2, got shape \(3, 2\)"),
+    ("bool byte", [*_field(["x", "bool", [2, 12], 2])], "value", "bool frame holds bytes other than 0 and 1"),
+]
+
+
+@pytest.mark.parametrize(("frames", "reason", "match"), [b[1:] for b in BAD], ids=[b[0] for b in BAD])
+def test_bad_input_raises_with_reason(frames: list[bytes], reason: str, match: str) -> None:
+    with pytest.raises(WireFormatError, match=match) as info:
+        decode(frames)
+    assert info.value.reason == reason
+    assert reason in REASONS
+
+
+def test_size_limits() -> None:
+    with pytest.raises(WireFormatError, match=r"header of 1\d\d bytes exceeds max_header_size=100") as info:
+        decode(_good(), max_header_size=100)
+    assert info.value.reason == "header size"
+    with pytest.raises(WireFormatError, match="exceeds max_message_size=64") as info:
+        decode(_good(), max_message_size=64)
+    assert info.value.reason == "too large"
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.binary(max_size=64), max_size=6))
+def test_random_bytes_never_escape_as_other_errors(frames: list[bytes]) -> None:
+    try:
+        decode(frames)
+    except WireFormatError as exc:
+        reason = exc.reason
+        assert reason in REASONS
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.data())
+def test_mutated_headers_never_escape_as_other_errors(data: st.DataObject) -> None:
+    frames = _good()
+    header = bytearray(frames[1])
+    for _ in range(data.draw(st.integers(1, 4))):
+        header[data.draw(st.integers(0, len(header) - 1))] = data.draw(st.integers(0, 255))
+    try:
+        out: Message = decode([frames[0], bytes(header), *frames[2:]])
+    except WireFormatError as exc:
+        reason = exc.reason
+        assert reason in REASONS
+    else:
+        assert isinstance(out, Batch)

@@ -1,0 +1,374 @@
+"""ZmqPublisher -> Subscriber over real loopback sockets (tcp:// and ipc://)."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import msgpack
+import pytest
+import torch
+import zmq
+
+from broker import (
+    Batch,
+    Broker,
+    BrokerClosedError,
+    EpisodeEnd,
+    Gap,
+    RunEnd,
+    RunStart,
+    SendTimeoutError,
+    Subscriber,
+    SubscriberTimeoutError,
+    VariationSample,
+    ZmqPublisher,
+    encode,
+)
+from broker.wire import SUBSCRIBER_HELLO
+
+MakePub = Callable[..., ZmqPublisher]
+MakeSub = Callable[..., Subscriber]
+BIG = 20_000  # floats per world: 4 worlds x 80 kB per frame, above pyzmq's zero-copy threshold
+
+
+def _messages(batch: Callable[..., Batch]) -> list[Any]:
+    w = torch.arange(4)
+    e = torch.zeros(4, dtype=torch.int64)
+    flags = torch.tensor([True, False, False, True])
+    return [
+        RunStart("run-a", 0, 0, 4, "cpu", {}, {"task": "lift"}),
+        batch(1),
+        VariationSample("run-a", 2, 1, "mass", "runtime", w, e, torch.rand(4, 2)),
+        EpisodeEnd("run-a", 3, 1, w, e, flags, ~flags, flags, torch.tensor([3, 3, 3, 3])),
+        batch(4, width=BIG),
+        RunEnd("run-a", 5, 2, 4, "cpu"),
+    ]
+
+
+def _same(a: Any, b: Any) -> bool:
+    if type(a) is not type(b):
+        return False
+    for name in a.__slots__:
+        x, y = getattr(a, name), getattr(b, name)
+        if isinstance(x, torch.Tensor):
+            if not torch.equal(x, y):
+                return False
+        elif name == "fields":
+            if x.keys() != y.keys() or not all(torch.equal(x[k], y[k]) for k in x):
+                return False
+        elif x != y:
+            return False
+    return True
+
+
+@pytest.mark.parametrize("publisher_binds", [True, False], ids=["pub-binds", "sub-binds"])
+def test_every_kind_round_trips(make_pub: MakePub, make_sub: MakeSub, free_endpoint: Callable[[], str],
+                                broker: Broker, batch: Callable[..., Batch], drain: Callable[..., list[Any]],
+                                join: Callable[..., None], publisher_binds: bool) -> None:
+    if publisher_binds:
+        pub = make_pub(free_endpoint())
+        sub = make_sub(pub.endpoints[0])
+    else:
+        sub = make_sub(free_endpoint(), bind=True)
+        pub = make_pub(sub.endpoints[0], bind=False)
+    join(pub, sub)
+    broker.subscribe("", pub)
+    sent = _messages(batch)
+    for m in sent:
+        broker.publish(m)
+    got = drain(sub)
+    assert len(got) == len(sent)
+    assert all(_same(a, b) for a, b in zip(sent, got, strict=True))
+    pub.close()
+    stats = pub.statistics()
+    assert stats.published == stats.messages == len(sent)
+    assert stats.drops == 0
+    assert stats.closed
+    assert sub.statistics().bytes == stats.bytes
+    assert sub.statistics().received == len(sent)
+
+
+def test_source_may_change_right_after_publish(make_pub: MakePub, make_sub: MakeSub,
+                                               free_endpoint: Callable[[], str], broker: Broker,
+                                               batch: Callable[..., Batch]) -> None:
+    pub = make_pub(free_endpoint())
+    sub = make_sub(pub.endpoints[0])
+    pub.wait_for_subscribers(1, timeout=10)
+    broker.subscribe("", pub)
+    message = batch(7, width=BIG)
+    for _ in range(3):
+        broker.publish(message)
+        message.fields["x"].fill_(-1.0)  # the simulator overwrites its buffers at once
+        message.fields["x"].fill_(7.0)
+    message.fields["x"].fill_(-1.0)
+    got = [sub.recv(timeout=5) for _ in range(3)]
+    assert all(isinstance(g, Batch) and bool((g.fields["x"] == 7.0).all()) for g in got)
+
+
+def test_lossless_with_a_slow_subscriber(make_pub: MakePub, make_sub: MakeSub,
+                                         free_endpoint: Callable[[], str], broker: Broker,
+                                         batch: Callable[..., Batch]) -> None:
+    pub = make_pub(free_endpoint(), slots=2, hwm=1, send_timeout=20)
+    sub = make_sub(pub.endpoints[0], hwm=1)
+    pub.wait_for_subscribers(1, timeout=10)
+    broker.subscribe("", pub)
+    n = 150  # 150 x 320 kB: far more than the queues and socket buffers hold
+
+    def produce() -> None:
+        for i in range(n):
+            broker.publish(batch(i, width=BIG))
+
+    producer = threading.Thread(target=produce)
+    producer.start()
+    seqs = []
+    try:
+        while len(seqs) < n:
+            item = sub.recv(timeout=10)
+            assert isinstance(item, Batch), item
+            assert bool((item.fields["x"] == float(item.seq)).all())
+            seqs.append(item.seq)
+            if len(seqs) % 10 == 0:
+                time.sleep(0.02)  # deliberately slow
+    finally:
+        producer.join(30)
+    assert seqs == list(range(n))
+    stats = pub.statistics()
+    assert stats.drops == 0
+    assert stats.messages == n
+    assert sub.statistics().gaps == 0
+
+
+def test_drop_mode_drops_equal_reported_gaps(make_pub: MakePub, make_sub: MakeSub,
+                                             free_endpoint: Callable[[], str], broker: Broker,
+                                             batch: Callable[..., Batch]) -> None:
+    pub = make_pub(free_endpoint(), policy="drop", slots=1, hwm=1)
+    sub = make_sub(pub.endpoints[0], hwm=1)
+    pub.wait_for_subscribers(1, timeout=10)
+    broker.subscribe("", pub)
+    n = 200
+    for i in range(n):
+        broker.publish(batch(i, width=BIG))  # never waits: drops instead
+    broker.publish(RunEnd("run-a", n, n, 4, "cpu"))  # run/ messages are never dropped
+    received, gaps = [], []
+    while True:
+        item = sub.recv(timeout=10)
+        assert item is not None, "RunEnd never arrived"
+        if isinstance(item, RunEnd):
+            break
+        (gaps if isinstance(item, Gap) else received).append(item)
+    pub.close()
+    drops = pub.statistics().drops
+    assert drops > 0
+    assert sum(g.missing for g in gaps) == drops == n - len(received)
+    assert sub.statistics().missing == drops
+    assert sub.statistics().gaps == len(gaps)
+    assert all(g.topic == "batch/obs" and g.run == "run-a" and g.publisher == pub.id for g in gaps)
+
+
+def test_slow_joiner_misses_nothing_after_wait_for_subscribers(
+        make_pub: MakePub, make_sub: MakeSub, free_endpoint: Callable[[], str], broker: Broker,
+        batch: Callable[..., Batch], drain: Callable[..., list[Any]]) -> None:
+    pub = make_pub(free_endpoint())
+    broker.subscribe("", pub)
+    with pytest.raises(SubscriberTimeoutError, match=r"expected 1 subscriber\(s\) on .* within 0.1 s, 0 joined"):
+        pub.wait_for_subscribers(1, timeout=0.1)
+    time.sleep(0.1)
+    subs = [make_sub(pub.endpoints[0], topics=("batch/",)), make_sub(pub.endpoints[0])]
+    pub.wait_for_subscribers(2, timeout=10)
+    for i in range(30):
+        broker.publish(batch(i))
+    for sub in subs:
+        got = drain(sub)
+        assert [m.seq for m in got] == list(range(30))
+
+
+def test_joining_late_is_a_gap(make_pub: MakePub, make_sub: MakeSub, free_endpoint: Callable[[], str],
+                               broker: Broker, batch: Callable[..., Batch],
+                               drain: Callable[..., list[Any]]) -> None:
+    pub = make_pub(free_endpoint())
+    broker.subscribe("", pub)
+    for i in range(5):
+        broker.publish(batch(i))  # nobody has joined: lost to the slow joiner...
+    assert pub.flush(timeout=5)
+    sub = make_sub(pub.endpoints[0])
+    pub.wait_for_subscribers(1, timeout=10)
+    broker.publish(batch(5))
+    pub.close()  # ... and a RunEnd is sent for run-a
+    got = drain(sub)
+    assert got[0] == Gap("run-a", "batch/obs", 0, 5, pub.id)  # ... which the subscriber reports
+    assert got[1].seq == 5
+    assert isinstance(got[2], RunEnd)
+    assert got[2].seq == 6
+    assert len(got) == 3
+
+
+def test_a_restarted_publisher_or_a_new_run_is_not_a_gap(
+        make_pub: MakePub, make_sub: MakeSub, free_endpoint: Callable[[], str],
+        batch: Callable[..., Batch], drain: Callable[..., list[Any]], join: Callable[..., None]) -> None:
+    sub = make_sub(free_endpoint(), bind=True)  # a daemon that publishers connect to
+    seen = []
+    for _ in range(2):  # the same run name, published again by a restarted publisher
+        pub = make_pub(sub.endpoints[0], bind=False)
+        join(pub, sub)
+        for i in range(3):
+            pub(batch(i))
+        pub(batch(3, run="run-b"))  # and a new run
+        pub.close()
+        seen += [(m.run, m.seq) for m in drain(sub) if not isinstance(m, RunEnd)]
+    assert seen == [("run-a", 0), ("run-a", 1), ("run-a", 2), ("run-b", 3)] * 2
+    assert sub.statistics().gaps == 0
+    assert sub.statistics().publishers == 2
+
+
+@contextlib.contextmanager
+def _raw_publisher(endpoint: str, make_sub: MakeSub, **kwargs: Any) -> Iterator[tuple[zmq.Socket[Any], Subscriber]]:
+    """A raw XPUB socket (playing a misbehaving publisher) and a Subscriber that has joined it."""
+    ctx = zmq.Context()
+    raw = ctx.socket(zmq.XPUB)
+    try:
+        raw.bind(endpoint)
+        sub = make_sub(raw.getsockopt_string(zmq.LAST_ENDPOINT), **kwargs)
+        while raw.poll(10_000) and SUBSCRIBER_HELLO not in raw.recv():
+            pass
+        yield raw, sub
+    finally:
+        raw.close(linger=0)
+        ctx.term()
+
+
+def test_gaps_are_exact_for_any_topic_choice(make_sub: MakeSub, free_endpoint: Callable[[], str],
+                                             batch: Callable[..., Batch],
+                                             drain: Callable[..., list[Any]]) -> None:
+    """A raw socket plays a publisher that lost messages of one topic, including its tail."""
+    with _raw_publisher(free_endpoint(), make_sub, topics=("batch/a",)) as (raw, sub_a):
+        for topic, n in [("batch/a", 0), ("batch/b", 0), ("batch/b", 1), ("batch/a", 1), ("batch/a", 3)]:
+            raw.send_multipart(encode(batch(n, topic=topic), publisher="P", number=n))
+        raw.send_multipart(encode(RunEnd("run-a", 9, 9, 4, "cpu"), publisher="P", number=0,
+                                  streams={"batch/a": 6, "batch/b": 2, "run/start": 1}))
+        got = drain(sub_a)
+    assert [g if isinstance(g, Gap) else (g.topic, g.seq) for g in got] == [
+        ("batch/a", 0), ("batch/a", 1),
+        Gap("run-a", "batch/a", 2, 3, "P"),  # number 2 never arrived
+        ("batch/a", 3),
+        Gap("run-a", "batch/a", 4, 6, "P"),  # the tail: 4 and 5, reported at run/end
+    ]  # batch/b and run/ topics were not chosen: no gaps for them, RunEnd itself not delivered
+    assert sub_a.statistics().missing == 3
+
+
+def test_bad_messages_are_counted_and_skipped(make_sub: MakeSub, free_endpoint: Callable[[], str],
+                                              batch: Callable[..., Batch]) -> None:
+    good = [bytes(f) for f in encode(batch(1), publisher="P")]
+    head = msgpack.unpackb(good[1])
+    bad = [
+        [b"batch/obs"],  # missing header
+        good[:3],  # truncated
+        [*good, b"extra"],
+        [good[0], msgpack.packb({**head, "v": 99}), *good[2:]],
+        [good[0], msgpack.packb({**head, "fields": [["x", "complex64", [4, 3], 2], head["fields"][1]]}), *good[2:]],
+        [good[0], msgpack.packb({**head, "pad": "x" * 2000}), *good[2:]],  # oversized header
+        [b"batch/obs", b"\x00\x01\x02random"],
+    ]
+    with _raw_publisher(free_endpoint(), make_sub, max_header_size=1024) as (raw, sub):
+        for frames in bad:
+            raw.send_multipart(frames)
+        raw.send_multipart(good)
+        item = sub.recv(timeout=5)
+    assert isinstance(item, Batch)
+    assert item.seq == 1
+    stats = sub.statistics()
+    assert stats.bad_messages == len(bad)
+    assert stats.received == 1
+    assert dict(stats.bad_reasons) == {"missing frames": 2, "extra frames": 1, "version": 1, "dtype": 1,
+                                       "header size": 1, "header": 1}
+
+
+def test_close_flushes_and_sends_run_end(make_pub: MakePub, make_sub: MakeSub,
+                                         free_endpoint: Callable[[], str], broker: Broker,
+                                         batch: Callable[..., Batch], drain: Callable[..., list[Any]]) -> None:
+    pub = make_pub(free_endpoint())
+    sub = make_sub(pub.endpoints[0])
+    pub.wait_for_subscribers(1, timeout=10)
+    broker.subscribe("", pub)
+    broker.publish(RunStart("run-a", 0, 0, 4, "cpu", {}, {"task": "lift"}))
+    for i in range(1, 21):
+        broker.publish(batch(i, width=BIG))
+    closer = threading.Thread(target=pub.close)  # right away: everything queued is still delivered
+    closer.start()
+    got = drain(sub)
+    closer.join(10)
+    pub.close()  # idempotent
+    assert [m.seq for m in got] == list(range(22))
+    end = got[-1]
+    assert isinstance(end, RunEnd)
+    assert end.step == 20
+    assert end.num_worlds == 4
+    assert end.metadata == {"task": "lift"}
+    with pytest.raises(BrokerClosedError, match=r"publish on topic 'batch/obs' after close\(\)"):
+        pub(batch(30))
+
+
+def test_close_raises_when_it_cannot_deliver(make_pub: MakePub, make_sub: MakeSub,
+                                             free_endpoint: Callable[[], str],
+                                             batch: Callable[..., Batch]) -> None:
+    pub = make_pub(free_endpoint(), hwm=1, slots=16)
+    sub = make_sub(pub.endpoints[0], hwm=1)  # never reads
+    pub.wait_for_subscribers(1, timeout=10)
+    for i in range(14):  # 14 x 1.3 MB: more than the socket buffers hold, less than the ring
+        pub(batch(i, width=BIG * 4))
+    with pytest.raises(SendTimeoutError, match=r"(could not be sent within the close\(\) timeout|close\(\) "
+                                                 r"could not deliver every message).* too slow or gone"):
+        pub.close(timeout=0.5)
+    assert sub.statistics().received == 0
+
+
+def test_block_policy_times_out_with_a_clear_error(make_pub: MakePub, make_sub: MakeSub,
+                                                   free_endpoint: Callable[[], str],
+                                                   batch: Callable[..., Batch]) -> None:
+    pub = make_pub(free_endpoint(), slots=1, hwm=1, send_timeout=0.3)
+    sub = make_sub(pub.endpoints[0], hwm=1)  # never reads
+    pub.wait_for_subscribers(1, timeout=10)
+    start = time.monotonic()
+    def flood() -> None:
+        for i in range(2000):
+            pub(batch(i, width=BIG))
+
+    with pytest.raises(SendTimeoutError, match=r"within send_timeout=0.3 s.* too slow or gone"):
+        flood()
+    assert time.monotonic() - start < 10
+    with pytest.raises(SendTimeoutError):
+        pub.close(timeout=0.2)
+    assert pub.statistics().closed
+    assert sub.statistics().received == 0
+
+
+def test_iteration_ends_when_closed_from_another_thread(make_pub: MakePub, make_sub: MakeSub,
+                                                        free_endpoint: Callable[[], str],
+                                                        batch: Callable[..., Batch]) -> None:
+    pub = make_pub(free_endpoint())
+    sub = make_sub(pub.endpoints[0])
+    pub.wait_for_subscribers(1, timeout=10)
+    pub(batch(0))
+    timer = threading.Timer(0.3, sub.close)
+    timer.start()
+    try:
+        items = list(sub)
+    finally:
+        timer.join()
+    assert [i.seq for i in items] == [0]
+    with pytest.raises(BrokerClosedError, match=r"recv\(\) after close\(\)"):
+        sub.recv(timeout=0)
+
+
+def test_max_message_size_protects_the_receiver(make_pub: MakePub, make_sub: MakeSub,
+                                                free_endpoint: Callable[[], str],
+                                                batch: Callable[..., Batch]) -> None:
+    pub = make_pub(free_endpoint(), policy="drop")
+    sub = make_sub(pub.endpoints[0], max_message_size=10_000)
+    pub.wait_for_subscribers(1, timeout=10)
+    pub(batch(0, width=BIG))  # an 80 kB frame: ZeroMQ drops the connection instead
+    assert sub.recv(timeout=0.5) is None
+    assert sub._socket.getsockopt(zmq.MAXMSGSIZE) == 10_000
