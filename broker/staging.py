@@ -26,10 +26,13 @@ Layout = list[tuple[int, int]]
 class Slot:
     """One staging buffer (pinned when it has held CUDA tensors)."""
 
-    __slots__ = ("array", "buffer", "busy", "event", "tracker")
+    __slots__ = ("array", "buffer", "busy", "event", "plans", "tracker")
 
     def __init__(self) -> None:
         self.buffer: torch.Tensor | None = None
+        # (dtype, shape) of every tensor -> layout and the destination views of the non-empty
+        # ones: messages of one topic repeat their shapes, so staging is one fused copy.
+        self.plans: dict[tuple[tuple[torch.dtype, torch.Size], ...], tuple[Layout, list[torch.Tensor], list[int]]] = {}
         self.array: Any = None  # numpy view of ``buffer``, for zero-copy frames
         self.busy = False
         self.tracker: zmq.MessageTracker | None = None
@@ -40,6 +43,7 @@ class Slot:
         if self.buffer is None or self.buffer.numel() < nbytes or (pinned and not self.buffer.is_pinned()):
             self.buffer = torch.empty(max(nbytes, 4096), dtype=torch.uint8, pin_memory=pinned)
             self.array = self.buffer.numpy()
+            self.plans.clear()
         return self.buffer
 
     def frame(self, offset: int, nbytes: int) -> memoryview:
@@ -109,23 +113,36 @@ class StagingRing:
     def stage(self, slot: Slot, tensors: list[torch.Tensor]) -> tuple[Layout, Any]:
         """Copy ``tensors`` into ``slot`` (64-byte aligned). Returns the layout and, for CUDA
         tensors, the event the sender must wait on before reading the slot (else ``None``)."""
+        cuda = next((t.device for t in tensors if t.device.type == "cuda"), None)
+        key = tuple((t.dtype, t.shape) for t in tensors)
+        plan = slot.plans.get(key)
+        if plan is None or (cuda is not None and not slot.buffer.is_pinned()):  # type: ignore[union-attr]
+            plan = self._plan(slot, tensors, pinned=cuda is not None)
+            slot.plans[key] = plan
+        layout, views, nonempty = plan
+        sources = [tensors[i] for i in nonempty]
+        if cuda is None:
+            if views:
+                torch._foreach_copy_(views, sources)
+            return layout, None
+        return layout, self._stage_cuda(slot, views, sources, cuda)
+
+    @staticmethod
+    def _plan(slot: Slot, tensors: list[torch.Tensor], pinned: bool) -> tuple[Layout, list[torch.Tensor], list[int]]:
         layout: Layout = []
         offset = 0
         for t in tensors:
             nbytes = t.numel() * t.element_size()
             layout.append((offset, nbytes))
             offset += -(-nbytes // _ALIGN) * _ALIGN
-        cuda = next((t.device for t in tensors if t.device.type == "cuda"), None)
-        buffer = slot.ensure(offset, pinned=cuda is not None)
-        if cuda is None:
-            for t, (off, nb) in zip(tensors, layout, strict=True):
-                if nb:
-                    buffer[off:off + nb].view(t.dtype).view(t.shape).copy_(t)
-            return layout, None
-        return layout, self._stage_cuda(slot, buffer, tensors, layout, cuda)
+        buffer = slot.ensure(offset, pinned=pinned)
+        nonempty = [i for i, (_, nb) in enumerate(layout) if nb]
+        views = [buffer[layout[i][0]:layout[i][0] + layout[i][1]].view(tensors[i].dtype).view(tensors[i].shape)
+                 for i in nonempty]
+        return layout, views, nonempty
 
-    def _stage_cuda(self, slot: Slot, buffer: torch.Tensor, tensors: list[torch.Tensor],
-                    layout: Layout, device: torch.device) -> Any:
+    def _stage_cuda(self, slot: Slot, views: list[torch.Tensor], sources: list[torch.Tensor],
+                    device: torch.device) -> Any:
         """Copy into the pinned slot on a side stream. The simulation's stream waits for the
         copy on the GPU (so it may overwrite the tensors at once); the simulation thread does
         not wait; the sender thread waits on the slot's event."""
@@ -135,9 +152,8 @@ class StagingRing:
         current = torch.cuda.current_stream(device)
         stream.wait_stream(current)
         with torch.cuda.stream(stream):
-            for t, (off, nb) in zip(tensors, layout, strict=True):
-                if nb:
-                    buffer[off:off + nb].view(t.dtype).view(t.shape).copy_(t, non_blocking=True)
+            if views:
+                torch._foreach_copy_(views, sources, non_blocking=True)
         if slot.event is None:
             slot.event = torch.cuda.Event()  # type: ignore[no-untyped-call]
         slot.event.record(stream)
