@@ -53,6 +53,7 @@ __all__ = [
     "DTYPES",
     "PROTOCOL_VERSION",
     "REASONS",
+    "SUBSCRIBER_ACK",
     "SUBSCRIBER_HELLO",
     "Decoded",
     "decode",
@@ -87,6 +88,11 @@ REASONS: Final = frozenset({
 """Every ``WireFormatError.reason`` the codec produces."""
 
 SUBSCRIBER_HELLO: Final = b"\xffworldtap/subscriber/"
+# A subscriber acknowledges each RunEnd it received by subscribing (then unsubscribing) to
+# ``SUBSCRIBER_ACK + b"<publisher id>/<run>/<subscriber id>"``: the publisher's close() waits
+# for these before it disconnects, because ZeroMQ discards what a peer has not read yet when
+# the connection closes.
+SUBSCRIBER_ACK: Final = b"\xffworldtap/ack/"
 """Prefix of the extra subscription by which a :class:`broker.Subscriber` announces its id to a
 publisher (``0xff`` never starts a UTF-8 topic, so nothing is ever delivered on it)."""
 

@@ -18,7 +18,7 @@ from .errors import BrokerClosedError, SendTimeoutError, SubscriberTimeoutError,
 from .messages import TOPIC_RUN_END, Message, RunEnd, RunStart
 from .security import CurveServer, attach
 from .staging import Layout, Slot, Staged, StagingRing
-from .wire import SUBSCRIBER_HELLO, encode_header, message_tensors, tensor_spec
+from .wire import SUBSCRIBER_ACK, SUBSCRIBER_HELLO, encode_header, message_tensors, tensor_spec
 
 __all__ = ["DEFAULT_ENDPOINT", "Policy", "PublisherStatistics", "ZmqPublisher"]
 
@@ -124,6 +124,7 @@ class ZmqPublisher:
         self._cond = threading.Condition()
         self._ring = StagingRing(slots, self._cond)
         self._subscribers: set[bytes] = set()
+        self._unacked: dict[str, set[bytes]] = {}  # run -> subscribers yet to confirm its RunEnd
         self._published = self._sent = self._bytes = self._ring_drops = self._send_drops = 0
         self._timeouts = self._peak = 0  # each counter is written by one thread only
         self._error: BaseException | None = None
@@ -187,6 +188,8 @@ class ZmqPublisher:
         counters[topic] = number + 1
         self._published += 1
         if isinstance(message, RunEnd):
+            with self._cond:
+                self._unacked[run] = set(self._subscribers)
             del self._numbers[run]
             self._runs.pop(run, None)
         else:
@@ -260,6 +263,15 @@ class ZmqPublisher:
                     self._error = SendTimeoutError(
                         f"{self.name}: close() could not deliver every message within its timeout; "
                         f"a subscriber of {', '.join(self.endpoints)} is too slow or gone")
+                # Disconnecting drops what a subscriber has not read yet: wait until each one
+                # confirms the RunEnd of every run (so it has received everything before it).
+                while self._awaiting_acks() and time.monotonic() < self._close_deadline:
+                    if sock.poll(20, zmq.POLLIN):
+                        self._read_subscriptions(sock)
+                if self._awaiting_acks() and self._error is None:
+                    self._error = SendTimeoutError(
+                        f"{self.name}: close(): a subscriber of {', '.join(self.endpoints)} did not confirm "
+                        f"the end of run(s) {sorted(self._unacked)} within the timeout")
                 linger = max(self._close_deadline - time.monotonic(), 0.0)
             sock.close(linger=int(linger * 1000))
             self._done = True
@@ -274,7 +286,23 @@ class ZmqPublisher:
                         self._subscribers.add(event[1:])
                     else:
                         self._subscribers.discard(event[1:])
+                        for waiting in self._unacked.values():
+                            waiting.discard(event[1:])
                     self._cond.notify_all()
+            elif event[:1] == b"\x01" and event[1:].startswith(SUBSCRIBER_ACK):
+                pub, _, rest = event[1 + len(SUBSCRIBER_ACK):].decode(errors="replace").partition("/")
+                run, _, sub = rest.rpartition("/")
+                if pub == self.id:
+                    with self._cond:
+                        self._unacked.get(run, set()).discard(SUBSCRIBER_HELLO + sub.encode())
+                        self._cond.notify_all()
+
+    def _awaiting_acks(self) -> bool:
+        """Whether a connected subscriber has not yet confirmed a RunEnd sent to it."""
+        with self._cond:
+            for run in [r for r, subs in self._unacked.items() if not subs & self._subscribers]:
+                del self._unacked[run]
+            return bool(self._unacked)
 
     def _send(self, sock: zmq.Socket[Any], item: Staged) -> None:
         frames: list[Any] = [item.topic, item.header]

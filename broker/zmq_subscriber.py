@@ -20,6 +20,7 @@ from .security import CurveClient, attach
 from .wire import (
     DEFAULT_MAX_HEADER_SIZE,
     DEFAULT_MAX_MESSAGE_SIZE,
+    SUBSCRIBER_ACK,
     SUBSCRIBER_HELLO,
     decode_envelope,
 )
@@ -223,6 +224,9 @@ class Subscriber:
                 if topic.encode().startswith(self._prefixes):
                     self._check(pub, message.run, topic, streams.get(topic, 0), count)
             del self._next[(pub, message.run)]
+            ack = SUBSCRIBER_ACK + f"{pub}/{message.run}/{self.id}".encode()
+            self._socket.setsockopt(zmq.SUBSCRIBE, ack)  # tells the publisher it may disconnect
+            self._socket.setsockopt(zmq.UNSUBSCRIBE, ack)
         if wanted:
             self._received += 1
             self._pending.append(message)

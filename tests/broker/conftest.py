@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -111,6 +112,17 @@ def drain(sub: Subscriber, *, idle: float = 0.5, limit: int = 100_000) -> list[A
     return items
 
 
+def close_and_drain(pub: ZmqPublisher, sub: Subscriber, **kwargs: Any) -> list[Any]:
+    """``pub.close()`` while ``sub`` drains in this thread, as a store in another process would:
+    close() waits until every subscriber has confirmed each RunEnd it was sent."""
+    closer = threading.Thread(target=pub.close)
+    closer.start()
+    try:
+        return drain(sub, **kwargs)
+    finally:
+        closer.join(30)
+
+
 def join(pub: ZmqPublisher, *subs: Subscriber, timeout: float = 10.0) -> None:
     """``pub.wait_for_subscribers(len(subs))`` while the subscribers receive: a *bound* SUB socket
     only sends its subscriptions to a connecting publisher while its owner is inside ``recv``."""
@@ -131,6 +143,12 @@ def join_fixture() -> Callable[..., None]:
 def batch_fixture() -> Callable[..., Batch]:
     """:func:`batch`, for tests (helpers travel as fixtures: test folders are not packages)."""
     return batch
+
+
+@pytest.fixture(name="close_and_drain")
+def close_and_drain_fixture() -> Callable[..., list[Any]]:
+    """:func:`close_and_drain`, for tests."""
+    return close_and_drain
 
 
 @pytest.fixture(name="drain")

@@ -188,7 +188,7 @@ def test_slow_joiner_misses_nothing_after_wait_for_subscribers(
 
 def test_joining_late_is_a_gap(make_pub: MakePub, make_sub: MakeSub, free_endpoint: Callable[[], str],
                                broker: Broker, batch: Callable[..., Batch],
-                               drain: Callable[..., list[Any]]) -> None:
+                               close_and_drain: Callable[..., list[Any]]) -> None:
     pub = make_pub(free_endpoint())
     broker.subscribe("", pub)
     for i in range(5):
@@ -197,8 +197,7 @@ def test_joining_late_is_a_gap(make_pub: MakePub, make_sub: MakeSub, free_endpoi
     sub = make_sub(pub.endpoints[0])
     pub.wait_for_subscribers(1, timeout=10)
     broker.publish(batch(5))
-    pub.close()  # ... and a RunEnd is sent for run-a
-    got = drain(sub)
+    got = close_and_drain(pub, sub)  # ... and a RunEnd is sent for run-a
     assert got[0] == Gap("run-a", "batch/obs", 0, 5, pub.id)  # ... which the subscriber reports
     assert got[1].seq == 5
     assert isinstance(got[2], RunEnd)
@@ -208,7 +207,8 @@ def test_joining_late_is_a_gap(make_pub: MakePub, make_sub: MakeSub, free_endpoi
 
 def test_a_restarted_publisher_or_a_new_run_is_not_a_gap(
         make_pub: MakePub, make_sub: MakeSub, free_endpoint: Callable[[], str],
-        batch: Callable[..., Batch], drain: Callable[..., list[Any]], join: Callable[..., None]) -> None:
+        batch: Callable[..., Batch], close_and_drain: Callable[..., list[Any]],
+        join: Callable[..., None]) -> None:
     sub = make_sub(free_endpoint(), bind=True)  # a daemon that publishers connect to
     seen = []
     for _ in range(2):  # the same run name, published again by a restarted publisher
@@ -217,8 +217,7 @@ def test_a_restarted_publisher_or_a_new_run_is_not_a_gap(
         for i in range(3):
             pub(batch(i))
         pub(batch(3, run="run-b"))  # and a new run
-        pub.close()
-        seen += [(m.run, m.seq) for m in drain(sub) if not isinstance(m, RunEnd)]
+        seen += [(m.run, m.seq) for m in close_and_drain(pub, sub) if not isinstance(m, RunEnd)]
     assert seen == [("run-a", 0), ("run-a", 1), ("run-a", 2), ("run-b", 3)] * 2
     assert sub.statistics().gaps == 0
     assert sub.statistics().publishers == 2
@@ -372,3 +371,42 @@ def test_max_message_size_protects_the_receiver(make_pub: MakePub, make_sub: Mak
     pub(batch(0, width=BIG))  # an 80 kB frame: ZeroMQ drops the connection instead
     assert sub.recv(timeout=0.5) is None
     assert sub._socket.getsockopt(zmq.MAXMSGSIZE) == 10_000
+
+
+@pytest.mark.parametrize("subscriber_binds", [True, False], ids=["sub-binds", "pub-binds"])
+def test_close_waits_until_a_lagging_subscriber_has_read_everything(
+        make_pub: MakePub, make_sub: MakeSub, free_endpoint: Callable[[], str], broker: Broker,
+        batch: Callable[..., Batch], join: Callable[..., None], subscriber_binds: bool) -> None:
+    """ZeroMQ drops what a peer has not read when the connection closes: close() must wait for
+    the subscriber's confirmation of RunEnd, or a lagging store loses the tail of a run."""
+    if subscriber_binds:
+        sub = make_sub(free_endpoint(), bind=True, hwm=2)
+        pub = make_pub(sub.endpoints[0], bind=False, send_timeout=20)
+        join(pub, sub)
+    else:
+        pub = make_pub(free_endpoint(), send_timeout=20)
+        sub = make_sub(pub.endpoints[0], hwm=2)
+        pub.wait_for_subscribers(1, timeout=10)
+    broker.subscribe("", pub)
+    n = 300
+    received: list[Any] = []
+
+    def lagging_reader() -> None:
+        time.sleep(0.5)  # the publisher closes while much is still unread
+        while not received or not isinstance(received[-1], RunEnd):
+            item = sub.recv(timeout=10)
+            if item is None:
+                return
+            received.append(item)
+            time.sleep(0.001)
+
+    reader = threading.Thread(target=lagging_reader)
+    reader.start()
+    broker.publish(RunStart("run-a", 0, 0, 4, "cpu"))
+    for i in range(1, n + 1):
+        broker.publish(batch(i))
+    broker.publish(RunEnd("run-a", n + 1, n, 4, "cpu"))
+    pub.close(timeout=20)
+    reader.join(30)
+    assert [type(m).__name__ for m in received] == ["RunStart"] + ["Batch"] * n + ["RunEnd"]
+    assert [m.seq for m in received[1:-1]] == list(range(1, n + 1))
