@@ -228,7 +228,7 @@ def main(argv: list[str] | None = None) -> None:
                "lossless": all(s["lossless"] for s in samples)}
     if args.json:
         print_json({"benchmark": "transport", "seconds": args.seconds, "trials": trials,
-                    "samples": samples, "budgets": budgets, "machine": machine(), "versions": versions()})
+                    "cases": samples, "budgets": budgets, "machine": machine(), "versions": versions()})
     else:
         print(table(["transport", "worlds", "payload kB", "raw GB/s", "worldtap GB/s", "ratio", "msg/s",
                      "publish ms", "memcpy ms", "cost x", "lossless"], rows))

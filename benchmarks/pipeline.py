@@ -1,0 +1,368 @@
+"""Pipeline benchmark: publisher process -> storage daemon process -> Zarr store on local disk.
+
+``python -m benchmarks.pipeline [--json] [--seconds 30] [--worlds 4096]``
+
+Measured in one run: the raw pyzmq ceiling (payload frames between two processes, nothing
+decoded), the raw zarr-python ceiling (appending 64 MB blocks of the payload to every field's
+array concurrently, with the daemon's codecs and chunks), each as the median of randomized
+trials; then the end-to-end
+pipeline (the Recorder publishing the seed payload through ZmqPublisher, the daemon writing
+it) sustained for ``--seconds``. Reported: end-to-end GB/s and steps/s, the daemon's peak RSS
+(VmHWM), and a lossless check that reads every stored row back and compares it byte for byte
+with what was published. Budgets: end-to-end >= 70% of the slower ceiling; peak RSS <= the
+memory budget + 300 MB.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from ._payload import make_payload, payload_bytes
+from ._timing import base_parser, machine, print_json, stats, table, versions
+
+POOL = 8  # distinct payload steps, cycled; row identity comes from the stamps below
+RUN = "bench"
+TERM = "seed"
+
+
+def _pool(worlds: int) -> dict[str, np.ndarray]:
+    steps = [make_payload(worlds, seed=k) for k in range(POOL)]
+    return {name: np.stack([s[name].numpy() for s in steps]) for name in steps[0]}
+
+
+def _stamped(pool: dict[str, np.ndarray], step: int, worlds: np.ndarray | None = None) -> dict[str, np.ndarray]:
+    """The payload of ``step``: the pool entry, with state[:, 0] = step and state[:, 1] = world."""
+    k = step % POOL
+    out = {name: v[k] if worlds is None else v[k, worlds] for name, v in pool.items()}
+    out["state"] = out["state"].copy()  # only the stamped field is copied
+    n = out["state"].shape[0]
+    out["state"][:, 0] = np.float32(step)
+    out["state"][:, 1] = (np.arange(n) if worlds is None else worlds).astype(np.float32)
+    return out
+
+
+# -- child roles --------------------------------------------------------------------------
+
+def _publisher(args: Any) -> None:
+    from broker import Broker, ZmqPublisher
+    from capture.recorder import Recorder
+    from capture.terms import FunctionTerm
+
+    pool = _pool(args.worlds)
+    rng = np.random.default_rng(args.seed)
+    lo, hi = max(1, args.episode_length // 2), max(2, 3 * args.episode_length // 2)
+    broker = Broker()
+    pub = ZmqPublisher("tcp://127.0.0.1:*", bind=True, policy="block", send_timeout=120.0)
+    broker.subscribe("", pub)
+    print(pub.endpoints[0], flush=True)
+    pub.wait_for_subscribers(1, timeout=60.0)
+    rec = Recorder(args.worlds, broker=broker, run=RUN)
+    current: dict[str, torch.Tensor] = {}
+    rec.add_term(TERM, FunctionTerm(post_step=lambda: current))
+    remaining = rng.integers(lo, hi, args.worlds)
+    ends: list[np.ndarray] = []
+    steps = 0
+    t0 = time.time()
+    while time.time() - t0 < args.seconds:
+        current.clear()
+        current.update({k: torch.from_numpy(v) for k, v in _stamped(pool, rec.step).items()})
+        rec.record_post_step()
+        steps += 1
+        remaining -= 1
+        done = np.flatnonzero(remaining == 0)
+        if len(done):
+            success = torch.from_numpy(rng.random(len(done)) < 0.5)
+            idx = torch.from_numpy(done)
+            ends.append(np.stack([done, rec.episodes_of(idx).numpy(),
+                                  rec.episode_length.numpy()[done], success.numpy()], axis=1))
+            rec.record_pre_reset(idx, success=success, truncated=~success)
+            remaining[done] = rng.integers(lo, hi, len(done))
+    t_published = time.time()
+    rec.close()
+    pub.close(timeout=120.0)
+    np.save(args.ends, np.concatenate(ends) if ends else np.zeros((0, 4), np.int64))
+    print(json.dumps({"t0": t0, "t_published": t_published, "t_closed": time.time(),
+                      "steps": steps, "bytes": steps * payload_bytes(
+                          {k: torch.from_numpy(v[0]) for k, v in pool.items()})}), flush=True)
+
+
+def _zmq_sender(args: Any) -> None:
+    import zmq
+
+    pool = _pool(args.worlds)
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.XPUB)
+    sock.setsockopt(zmq.XPUB_NODROP, 1)
+    sock.setsockopt(zmq.SNDHWM, 64)
+    port = sock.bind_to_random_port("tcp://127.0.0.1")
+    print(f"tcp://127.0.0.1:{port}", flush=True)
+    sock.recv()  # the subscription: no slow joiner
+    frames = [[b"batch/seed", b"h" * 200, *(memoryview(v[k]) for v in pool.values())]
+              for k in range(POOL)]
+    t0, i = time.monotonic(), 0
+    while time.monotonic() - t0 < args.seconds:
+        sock.send_multipart(frames[i % POOL], copy=False)
+        i += 1
+    sock.send_multipart([b"batch/end", b""])
+    sock.close(linger=-1)
+    ctx.term()
+
+
+# -- ceilings -----------------------------------------------------------------------------
+
+def _zmq_ceiling(worlds: int, seconds: float) -> float:
+    import zmq
+
+    proc = subprocess.Popen([sys.executable, "-m", "benchmarks.pipeline", "--role", "zmq-sender",
+                             "--worlds", str(worlds), "--seconds", str(seconds)],
+                            stdout=subprocess.PIPE, text=True)
+    ctx = zmq.Context()
+    try:
+        assert proc.stdout is not None
+        endpoint = proc.stdout.readline().strip()
+        sock = ctx.socket(zmq.SUB)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.RCVHWM, 64)
+        sock.setsockopt(zmq.SUBSCRIBE, b"batch/")
+        sock.connect(endpoint)
+        total, t0 = 0, None
+        while True:
+            frames = sock.recv_multipart(copy=False)
+            if bytes(frames[0]) == b"batch/end":
+                break
+            if t0 is None:
+                t0 = time.monotonic()
+            else:
+                total += sum(len(f) for f in frames[2:])
+        sock.close(linger=0)
+        proc.wait(60)
+        return total / max(time.monotonic() - (t0 or 0.0), 1e-9) / 1e9
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        ctx.term()
+
+
+def _zarr_ceiling(worlds: int, seconds: float, root: Path, args: Any) -> float:
+    import zarr
+
+    from storage._zarr_io import append_all, compressors
+
+    pool = _pool(worlds)
+    piece_rows = max(1, min(64 << 20, args.memory_budget // 16) // 672)
+    block = {k: np.concatenate([v[i % POOL] for i in range(-(-piece_rows // worlds))])[:piece_rows]
+             for k, v in pool.items()}
+    path = Path(tempfile.mkdtemp(dir=root))
+    try:
+        group = zarr.open_group(zarr.storage.LocalStore(path), mode="w")
+        arrays = {}
+        for name, value in block.items():
+            row = max(1, value.dtype.itemsize * int(np.prod(value.shape[1:])))
+            arrays[name] = group.create_array(name, shape=(0, *value.shape[1:]), dtype=value.dtype,
+                                              chunks=(max(1, args.chunk_size // row),
+                                                      *value.shape[1:]),
+                                              compressors=compressors(args.compression))
+        pairs = [(arrays[name], value) for name, value in block.items()]
+        nbytes = sum(v.nbytes for v in block.values())
+        total, t0 = 0, time.monotonic()
+        while time.monotonic() - t0 < seconds:  # every field at once, as concurrent as zarr gets
+            append_all(pairs)
+            total += nbytes
+        return total / (time.monotonic() - t0) / 1e9
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+# -- the pipeline -------------------------------------------------------------------------
+
+def _vm_hwm(pid: int) -> int:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def _pipeline(args: Any, root: Path) -> dict[str, Any]:
+    store, ends = root / "bench.zarr", root / "ends.npy"
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    pub = subprocess.Popen([sys.executable, "-m", "benchmarks.pipeline", "--role", "publisher",
+                            "--worlds", str(args.worlds), "--seconds", str(args.seconds),
+                            "--episode-length", str(args.episode_length), "--ends", str(ends)],
+                           stdout=subprocess.PIPE, text=True, env=env)
+    daemon = None
+    try:
+        assert pub.stdout is not None
+        endpoint = pub.stdout.readline().strip()
+        daemon = subprocess.Popen(
+            [sys.executable, "-m", "storage", str(store), "--connect", endpoint,
+             "--exit-after-runs", "1", "--memory-budget", str(args.memory_budget),
+             "--compression", args.compression, "--chunk-size", str(args.chunk_size),
+             "--status-interval", "5", "--log-level", "WARNING"],
+            stderr=subprocess.PIPE, text=True, env=env)
+        peak = 0
+        while daemon.poll() is None:
+            peak = max(peak, _vm_hwm(daemon.pid))
+            time.sleep(0.1)
+        t_stored = time.time()
+        assert daemon.stderr is not None
+        daemon_log = daemon.stderr.read()
+        summary = json.loads(pub.stdout.readline())
+        pub.wait(120)
+        if daemon.returncode != 0:
+            raise RuntimeError(f"daemon exited {daemon.returncode}: {daemon_log[-2000:]}")
+    finally:
+        for proc in (pub, daemon):
+            if proc is not None and proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    seconds = t_stored - summary["t0"]
+    check = _verify(store, np.load(ends), args.worlds)
+    return {"steps": summary["steps"], "bytes": summary["bytes"], "e2e_seconds": seconds,
+            "publish_seconds": summary["t_published"] - summary["t0"],
+            "gb_per_s": summary["bytes"] / seconds / 1e9, "steps_per_s": summary["steps"] / seconds,
+            "daemon_peak_rss_bytes": peak, "daemon_log_tail": daemon_log[-500:], **check}
+
+
+def _verify(store: Path, ends: np.ndarray, worlds: int) -> dict[str, Any]:
+    """Read every stored row back and compare it with the published payload, byte for byte."""
+    import zarr
+
+    from storage import RunStore
+
+    reader = RunStore(store)
+    eps = reader.episodes(RUN)
+    published = {tuple(int(x) for x in e[:2]) for e in ends}
+    stored = set(zip(eps["world"].tolist(), eps["index"].tolist(), strict=True))
+    ok = stored == published and len(eps) == len(ends)
+    order = {(int(w), int(i)): (int(n), bool(s)) for w, i, n, s in ends}
+    ok &= all(order[(w, i)] == (n, s) for w, i, n, s in zip(
+        eps["world"].tolist(), eps["index"].tolist(), eps["length"].tolist(),
+        eps["success"].tolist(), strict=True))
+    root = zarr.open_group(store, mode="r")
+    base = f"runs/{RUN}"
+    meta = reader.info(RUN)["committed"]
+    n_seg, n_ep = meta["segments"], meta["episodes"]
+    seg = {c: root[f"{base}/segments/{c}"][:n_seg] for c in ("episode", "offset", "rows")}
+    end_step = root[f"{base}/episodes/end_step"][:n_ep]
+    length = root[f"{base}/episodes/length"][:n_ep]
+    world_of = root[f"{base}/episodes/world"][:n_ep]
+    within = np.zeros(n_seg, np.int64)  # rows of the same episode before each segment
+    order_idx = np.lexsort((np.arange(n_seg), seg["episode"]))
+    cums = np.cumsum(seg["rows"][order_idx]) - seg["rows"][order_idx]
+    first = np.r_[True, seg["episode"][order_idx][1:] != seg["episode"][order_idx][:-1]]
+    base_cum = np.maximum.accumulate(np.where(first, cums, 0))
+    within[order_idx] = cums - base_cum
+    total = int(meta["rows"][TERM])
+    row_world = np.full(total, -1, np.int64)
+    row_step = np.full(total, -1, np.int64)
+    for e, o, r, w0 in zip(seg["episode"].tolist(), seg["offset"].tolist(), seg["rows"].tolist(),
+                           within.tolist(), strict=True):
+        row_world[o:o + r] = world_of[e]
+        start = end_step[e] - length[e] + w0
+        row_step[o:o + r] = np.arange(start, start + r)
+    pool = _pool(worlds)
+    arrays = {name: root[f"{base}/data/{TERM}/{name}"] for name in pool}
+    steps_arr = root[f"{base}/data/{TERM}/_step"]
+    rows_checked, piece = 0, 1 << 16
+    for a in range(0, total, piece):
+        b = min(total, a + piece)
+        valid = row_world[a:b] >= 0
+        w, s = row_world[a:b][valid], row_step[a:b][valid]
+        ok &= bool(np.array_equal(steps_arr[a:b][valid], s))
+        for name, arr in arrays.items():
+            want = pool[name][s % POOL, w]
+            if name == "state":
+                want[:, 0], want[:, 1] = s.astype(np.float32), w.astype(np.float32)
+            ok &= np.asarray(arr[a:b])[valid].tobytes() == want.tobytes()
+        rows_checked += int(valid.sum())
+    ok &= rows_checked == int(eps["length"].sum())
+    rng = np.random.default_rng(0)  # and a sample through the reader API, whole episodes
+    for i in rng.choice(len(eps), size=min(20, len(eps)), replace=False).tolist():
+        w, idx, n, end = (int(eps[c][i]) for c in ("world", "index", "length", "end_step"))
+        got = reader.episode(RUN, w, idx)
+        steps = np.arange(end - n, end)
+        for name in pool:
+            want = np.stack([_stamped(pool, s, np.array([w]))[name][0] for s in steps.tolist()]) \
+                if n else np.zeros((0, *pool[name].shape[2:]), pool[name].dtype)
+            ok &= got[f"{TERM}/{name}"].tobytes() == want.tobytes()
+    return {"byte_equal": bool(ok), "episodes_published": len(ends), "episodes_stored": len(eps),
+            "rows_checked": rows_checked}
+
+
+def main() -> None:
+    parser = base_parser(__doc__.splitlines()[0] if __doc__ else "pipeline")
+    parser.add_argument("--seconds", type=float, default=30.0)
+    parser.add_argument("--worlds", type=int, default=4096)
+    parser.add_argument("--episode-length", type=int, default=200, help="mean steps per episode")
+    parser.add_argument("--memory-budget", type=int, default=1 << 30)
+    parser.add_argument("--compression", default="lz4", choices=("lz4", "zstd", "none"))
+    parser.add_argument("--chunk-size", type=int, default=1 << 20)
+    parser.add_argument("--trials", type=int, default=3, help="trials of each ceiling")
+    parser.add_argument("--dir", default=None, help="where the stores go (default: a temp dir)")
+    parser.add_argument("--role", default=None, help=argparse_hidden())
+    parser.add_argument("--ends", default=None, help=argparse_hidden())
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    if args.role == "publisher":
+        return _publisher(args)
+    if args.role == "zmq-sender":
+        return _zmq_sender(args)
+    root = Path(tempfile.mkdtemp(prefix="worldtap-pipeline-", dir=args.dir))
+    try:
+        ceiling_s = max(0.3, min(5.0, args.seconds / 6))
+        samples: dict[str, list[float]] = {"zmq": [], "zarr": []}
+        rng = random.Random(args.seed)
+        for _ in range(args.trials):
+            order = list(samples)
+            rng.shuffle(order)
+            for name in order:
+                samples[name].append(_zmq_ceiling(args.worlds, ceiling_s) if name == "zmq"
+                                     else _zarr_ceiling(args.worlds, ceiling_s, root, args))
+        result = _pipeline(args, root)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    ceilings = {name: stats(v) for name, v in samples.items()}
+    slower = min(c["median"] for c in ceilings.values())
+    budget_rss = args.memory_budget + 300 * 10**6
+    case = {"worlds": args.worlds, "seconds": args.seconds, **result,
+            "ceiling_gb_per_s": ceilings, "slower_ceiling_gb_per_s": slower,
+            "fraction_of_slower_ceiling": result["gb_per_s"] / slower,
+            "within_throughput_budget": result["gb_per_s"] >= 0.7 * slower,
+            "memory_budget_bytes": args.memory_budget,
+            "within_rss_budget": result["daemon_peak_rss_bytes"] <= budget_rss}
+    if args.json:
+        print_json({"benchmark": "pipeline", "machine": machine(), "versions": versions(),
+                    "cases": [case]})
+        return
+    print(table(["worlds", "steps/s", "e2e GB/s", "zmq GB/s", "zarr GB/s", "fraction",
+                 "peak RSS MB", "byte-equal"],
+                [[args.worlds, result["steps_per_s"], result["gb_per_s"],
+                  ceilings["zmq"]["median"], ceilings["zarr"]["median"],
+                  case["fraction_of_slower_ceiling"], result["daemon_peak_rss_bytes"] / 1e6,
+                  result["byte_equal"]]]))
+
+
+def argparse_hidden() -> str:
+    import argparse
+
+    return argparse.SUPPRESS
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,211 @@
+"""Episode assembly with bounded memory: per-topic ``[capacity, worlds, ...]`` buffers.
+
+Every batch row is scattered into its world's slot (no Python loop over worlds). When a
+world's slot is full the topic's rows are flushed to the store as *fragments*; at the
+episode's end its remaining rows are written and the episode, with all its segments, is
+queued for the next index commit. Nothing written here is visible before
+:meth:`storage.RunWriter.commit`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+import torch
+
+from broker import FieldSpec
+
+from ._zarr_io import HOOKS
+from .zarr_store import RunWriter
+
+__all__ = ["Segment", "Stager", "TopicBuffer", "iter_pieces"]
+
+Segment = tuple[int, int, int]
+"""``(topic code, first row, row count)`` of one contiguous run of rows in one store."""
+
+
+def iter_pieces(rows: np.ndarray, row_bytes: int, piece_bytes: int) -> Iterator[slice]:
+    """Consecutive slices of ``rows`` (rows per world) whose total bytes stay near
+    ``piece_bytes`` (a world with more rows than a piece gets a piece of its own)."""
+    start, acc = 0, 0
+    for i, r in enumerate(rows.tolist()):
+        if acc and acc + r * row_bytes > piece_bytes:
+            yield slice(start, i)
+            start, acc = i, 0
+        acc += r * row_bytes
+    if start < len(rows):
+        yield slice(start, len(rows))
+
+
+def _lazy(shape: tuple[int, ...], dtype: np.dtype[Any]) -> torch.Tensor:
+    # np.zeros maps pages lazily (calloc), so only rows actually used become resident;
+    # torch.zeros would touch every page up front.
+    return torch.from_numpy(np.zeros(shape, dtype))
+
+
+class TopicBuffer:
+    """Rows of one batch topic (a recorder term), per world, for the episodes in progress.
+
+    Storage is one ``[capacity * worlds, *shape]`` array per field, row ``r`` of world ``w``
+    at ``r * worlds + w``, so a batch is one fancy-index assignment and copying out episodes
+    one ``index_select``.
+
+    Args:
+        term: The term name (topic without ``batch/``).
+        specs: Field name -> spec.
+        num_worlds: Worlds dimension.
+        capacity: Rows held per world before the topic must flush fragments.
+    """
+
+    def __init__(self, term: str, specs: Mapping[str, FieldSpec], num_worlds: int,
+                 capacity: int) -> None:
+        self.term = term
+        self.specs = dict(specs)
+        self.dtypes = {name: np.dtype(spec.dtype) for name, spec in specs.items()}
+        self.row_bytes = sum(d.itemsize * int(np.prod(s.shape, dtype=np.int64))
+                             for d, s in zip(self.dtypes.values(), specs.values(), strict=True))
+        self.row_bytes += 9  # _step and _hook
+        self.num_worlds = num_worlds
+        self.counts = np.zeros(num_worlds, np.int64)
+        self._alloc(capacity)
+
+    def _alloc(self, capacity: int) -> None:
+        self.capacity = capacity
+        n = capacity * self.num_worlds
+        self.bufs = {name: _lazy((n, *spec.shape), self.dtypes[name])
+                     for name, spec in self.specs.items()}
+        self.bufs["_step"] = _lazy((n,), np.dtype(np.int64))
+        self.bufs["_hook"] = _lazy((n,), np.dtype(np.uint8))
+        self.views = {name: b.numpy() for name, b in self.bufs.items()}
+
+    def reshape(self, capacity: int, num_worlds: int) -> None:
+        """Reallocate for a new capacity or world count; the buffer must be empty."""
+        assert not self.counts.any(), "reshape() of a non-empty TopicBuffer"
+        if num_worlds != self.num_worlds:
+            self.num_worlds = num_worlds
+            self.counts = np.zeros(num_worlds, np.int64)
+        self._alloc(capacity)
+
+    def grow_worlds(self, num_worlds: int) -> None:
+        """Widen the worlds dimension (a run joined without its ``RunStart``), keeping rows."""
+        if num_worlds <= self.num_worlds:
+            return
+        old, w, c = self.bufs, self.num_worlds, self.capacity
+        old_counts = self.counts
+        self.num_worlds = num_worlds
+        self._alloc(c)
+        self.counts = np.zeros(num_worlds, np.int64)
+        self.counts[:w] = old_counts
+        for name, buf in old.items():
+            self.bufs[name].view(c, num_worlds, *buf.shape[1:])[:, :w] = buf.view(c, w, *buf.shape[1:])
+
+    def full(self, worlds: np.ndarray) -> bool:
+        return bool(len(worlds)) and int(self.counts[worlds].max()) >= self.capacity
+
+    def add(self, worlds: np.ndarray, fields: Mapping[str, torch.Tensor], step: int,
+            hook: str) -> None:
+        """Copy one batch's rows into the worlds' slots (the caller checked ``full``)."""
+        rows = self.counts[worlds]
+        idx = rows * self.num_worlds + worlds
+        for name, values in fields.items():  # numpy's fancy setitem: far faster than index_copy_
+            self.views[name][idx] = values.numpy()
+        self.views["_step"][idx] = step
+        self.views["_hook"][idx] = HOOKS.index(hook)
+        self.counts[worlds] = rows + 1
+
+    def discard(self, worlds: np.ndarray) -> None:
+        self.counts[worlds] = 0
+
+    def rows_of(self, worlds: np.ndarray) -> torch.Tensor:
+        """Flat buffer rows of ``worlds``' episodes, world after world, each in order."""
+        counts = self.counts[worlds]
+        total = int(counts.sum())
+        starts = np.cumsum(counts) - counts
+        r = np.arange(total, dtype=np.int64) - np.repeat(starts, counts)
+        return torch.from_numpy(r * self.num_worlds + np.repeat(worlds, counts))
+
+
+class Stager:
+    """Collects episode rows of one term for one store and appends them in large pieces.
+
+    Each staged run of rows comes with the segment list of its episode; when the piece is
+    written the ``(topic code, offset, rows)`` segment is appended to that list, so segment
+    order follows staging order (fragments before tails). Nothing here is committed.
+
+    With an ``executor`` (one thread), pieces are written in the background while the next
+    one is staged (double buffering); :meth:`wait` must return before the segments are read.
+    """
+
+    def __init__(self, writer: RunWriter, buf: TopicBuffer, piece_bytes: int,
+                 executor: ThreadPoolExecutor | None = None) -> None:
+        self.writer, self.term = writer, buf.term
+        self.rows = max(1, piece_bytes // buf.row_bytes)
+        self._shapes = {name: ((self.rows, *b.shape[1:]), b.numpy().dtype)
+                        for name, b in buf.bufs.items()}
+        self.arrays = self._alloc()
+        self._spare: dict[str, torch.Tensor] | None = None
+        self._executor = executor
+        self._pending: Future[None] | None = None
+        self.n = 0
+        self.entries: list[tuple[list[Segment], int]] = []
+
+    def _alloc(self) -> dict[str, torch.Tensor]:
+        return {name: _lazy(shape, dtype) for name, (shape, dtype) in self._shapes.items()}
+
+    def stage(self, buf: TopicBuffer, worlds: np.ndarray, segs: list[list[Segment]]) -> None:
+        """Move the rows of ``worlds`` (``segs``: each world's segment list) out of ``buf``."""
+        counts = buf.counts[worlds]
+        keep = counts > 0
+        worlds, counts = worlds[keep], counts[keep]
+        segs = [s for s, k in zip(segs, keep.tolist(), strict=True) if k]
+        for piece in iter_pieces(counts, buf.row_bytes, self.rows * buf.row_bytes):
+            total = int(counts[piece].sum())
+            if self.n + total > self.rows:
+                self.flush()
+            idx = buf.rows_of(worlds[piece])
+            if total > self.rows:  # one world longer than a piece: write it directly
+                self.wait()
+                self._write({n: b.index_select(0, idx) for n, b in buf.bufs.items()},
+                            list(zip(segs[piece], counts[piece].tolist(), strict=True)))
+            else:
+                for name, b in buf.bufs.items():
+                    torch.index_select(b, 0, idx, out=self.arrays[name][self.n:self.n + total])
+                self.entries.extend(zip(segs[piece], counts[piece].tolist(), strict=True))
+                self.n += total
+            buf.counts[worlds[piece]] = 0
+
+    def flush(self) -> None:
+        """Append what is staged to the store (data only) and fill in the segments; in the
+        background with an executor (call :meth:`wait` before reading the segments)."""
+        if not self.n:
+            return
+        arrays = {name: a[:self.n] for name, a in self.arrays.items()}
+        if self._executor is None:
+            self._write(arrays, self.entries)
+        else:
+            previous = self._pending
+            self._pending = self._executor.submit(self._write, arrays, self.entries)
+            if previous is not None:
+                previous.result()  # the spare buffers were being written: reuse them now
+            spare = self._spare if self._spare is not None else self._alloc()
+            self._spare, self.arrays = self.arrays, spare
+        self.n = 0
+        self.entries = []
+
+    def wait(self) -> None:
+        """Wait for the background write (re-raising its error)."""
+        if self._pending is not None:
+            pending, self._pending = self._pending, None
+            pending.result()
+
+    def _write(self, arrays: dict[str, torch.Tensor], entries: list[tuple[list[Segment], int]]) -> None:
+        data = {name: a.numpy() for name, a in arrays.items()}
+        steps, hooks = data.pop("_step"), data.pop("_hook")
+        offset = self.writer.append(self.term, data, steps, hooks)
+        code = self.writer.topic_code(self.term)
+        for segs, rows in entries:
+            segs.append((code, offset, rows))
+            offset += rows

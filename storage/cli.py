@@ -1,0 +1,179 @@
+"""``worldtap-store``: the storage daemon's command line (also ``python -m storage``).
+
+``worldtap-store [STORE] --connect tcp://127.0.0.1:5555`` subscribes to publishers and
+writes their runs into STORE; ``worldtap-store info STORE`` lists the runs of a store.
+SIGINT and SIGTERM commit every complete episode and exit 0. Exit codes: 0 done, 2 usage
+error, 3 the store is locked or is not a run store, 1 anything else.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import re
+import signal
+import sys
+import threading
+from collections.abc import Sequence
+from contextlib import ExitStack
+from types import FrameType
+from typing import Any
+
+from .daemon import StoreDaemon
+from .errors import StorageError
+from .lock import StoreLock
+from .reader import RunStore
+from .status import StatusReporter, format_status
+
+__all__ = ["build_parser", "main", "parse_size"]
+
+_log = logging.getLogger("worldtap.storage")
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6,
+          "mib": 2**20, "g": 10**9, "gb": 10**9, "gib": 2**30}
+
+
+def parse_size(text: str) -> int:
+    """``"64MiB"`` -> 67108864. Accepts B, k/KB, KiB, M/MB, MiB, G/GB, GiB (case-insensitive)."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", text)
+    if match is None or match.group(2).lower() not in _UNITS:
+        raise argparse.ArgumentTypeError(f"expected a size such as 512MiB or 1GiB, got {text!r}")
+    value = int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive size, got {text!r}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="worldtap-store",
+        description="Persist worldtap runs received over ZeroMQ into a Zarr run store.")
+    p.add_argument("store", nargs="?", default="worldtap.zarr",
+                   help="local directory (default ./worldtap.zarr) or zarr/fsspec URL")
+    p.add_argument("--connect", action="append", default=[], metavar="ENDPOINT",
+                   help="publisher endpoint to connect to (repeatable; default "
+                        "tcp://127.0.0.1:5555)")
+    p.add_argument("--bind", action="append", default=[], metavar="ENDPOINT",
+                   help="endpoint to bind, for publishers that connect (repeatable)")
+    p.add_argument("--export", choices=("all", "succeeded", "split", "none"), default="all",
+                   help="which episodes to store; split puts failed ones in --failed-store")
+    p.add_argument("--failed-store", default=None, help="store for failed episodes (split mode; "
+                   "default: STORE with _failed before its suffix)")
+    p.add_argument("--compression", choices=("lz4", "zstd", "none"), default="lz4",
+                   help="chunk compression (default lz4, fast)")
+    p.add_argument("--chunk-size", type=parse_size, default=2**20, metavar="SIZE",
+                   help="uncompressed bytes per data chunk (default 1MiB)")
+    p.add_argument("--memory-budget", type=parse_size, default=2**30, metavar="SIZE",
+                   help="memory for buffered episodes (default 1GiB)")
+    p.add_argument("--fsync", action="store_true",
+                   help="sync data and index to disk before each commit (power-loss safe)")
+    p.add_argument("--commit-interval", type=float, default=0.5, metavar="SECONDS")
+    p.add_argument("--status-interval", type=float, default=5.0, metavar="SECONDS")
+    p.add_argument("--max-message-size", type=parse_size, default=2**31 - 1, metavar="SIZE")
+    p.add_argument("--hwm", type=int, default=32, metavar="N",
+                   help="ZeroMQ receive high-water mark: messages queued before the publisher "
+                        "is slowed down (memory outside the budget: N x message size)")
+    p.add_argument("--exit-after-runs", type=int, default=None, metavar="N",
+                   help="exit once N runs have ended")
+    p.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
+    return p
+
+
+def _info(argv: Sequence[str]) -> int:
+    p = argparse.ArgumentParser(prog="worldtap-store info", description="List a store's runs.")
+    p.add_argument("store")
+    args = p.parse_args(argv)
+    try:
+        reader = RunStore(args.store)
+    except StorageError as exc:
+        print(f"worldtap-store: {exc}", file=sys.stderr)
+        return 3
+    print(f"{'run':<24} {'status':<9} {'worlds':>7} {'episodes':>9} {'succeeded':>9} {'gaps':>5}")
+    for run in reader.runs():
+        info, eps = reader.info(run), reader.episodes(run)
+        print(f"{run:<24} {info['status']:<9} {info['num_worlds']:>7} {len(eps):>9} "
+              f"{int(eps['success'].sum()):>9} {info['committed']['gaps']:>5}")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the daemon until SIGINT/SIGTERM (or ``--exit-after-runs``); returns the exit code."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["info"]:
+        return _info(argv[1:])
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level, stream=sys.stderr,
+                        format="%(asctime)s worldtap-store %(levelname)s %(message)s")
+    stop = threading.Event()
+
+    def _on_signal(signum: int, frame: FrameType | None) -> None:
+        stop.set()
+
+    previous = {s: signal.signal(s, _on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        return _serve(args, stop)
+    except StorageError as exc:
+        print(f"worldtap-store: {exc}", file=sys.stderr)
+        return 3
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
+def _serve(args: argparse.Namespace, stop: threading.Event) -> int:
+    from broker import Subscriber  # the ZeroMQ transport; imported here to keep imports light
+
+    with ExitStack() as stack:
+        for path in _lock_targets(args):  # before opening: resuming modifies the store
+            stack.enter_context(StoreLock(path))
+        daemon = StoreDaemon(args.store, export=args.export, failed_store=args.failed_store,
+                             compression=args.compression, chunk_bytes=args.chunk_size,
+                             memory_budget=args.memory_budget, fsync=args.fsync,
+                             commit_interval=args.commit_interval)
+        stack.callback(daemon.close)
+        bind = bool(args.bind)
+        endpoints = args.bind if bind else (args.connect or ["tcp://127.0.0.1:5555"])
+        sub = Subscriber(endpoints, topics=("",), bind=bind,
+                         max_message_size=args.max_message_size, hwm=args.hwm)
+        stack.callback(sub.close)
+
+        def transport() -> dict[str, Any]:
+            st = sub.statistics()
+            return {"bad_messages": st.bad_messages, "gaps": st.gaps}
+
+        status = stack.enter_context(StatusReporter(daemon.statistics, transport,
+                                                    interval=args.status_interval))
+        print(f"worldtap-store ready: store={args.store!r} export={args.export} "
+              f"{'bind' if bind else 'connect'}={','.join(endpoints)}", file=sys.stderr,
+              flush=True)
+        while not stop.is_set():
+            item = sub.recv(timeout=0.1)
+            if item is None:
+                daemon.tick()
+            else:
+                daemon.handle(item)
+            status.poll()
+            if args.exit_after_runs is not None and \
+                    daemon.statistics().runs_ended >= args.exit_after_runs:
+                break
+        daemon.close()
+        final = status.snapshot()
+        st, ds = sub.statistics(), daemon.statistics()
+        print(f"worldtap-store done: {format_status(final)} messages={st.received} "
+              f"written={ds.bytes_written / 1e6:.1f}MB "
+              f"avg={ds.bytes_written / 1e6 / max(ds.uptime_s, 1e-9):.1f}MB/s",
+              file=sys.stderr, flush=True)
+    return 0
+
+
+def _lock_targets(args: argparse.Namespace) -> list[Any]:
+    from pathlib import Path
+
+    from ._zarr_io import local_path
+    from .daemon import failed_store_location
+
+    if args.export == "none":
+        return []
+    stores = [args.store]
+    if args.export == "split":
+        stores.append(args.failed_store or failed_store_location(args.store))
+    return [p for s in stores if (p := local_path(s)) is not None and isinstance(p, Path)]

@@ -1,0 +1,37 @@
+"""The storage package's error vocabulary: one root, leaves that also inherit a built-in."""
+
+from __future__ import annotations
+
+__all__ = [
+    "EpisodeNotFoundError",
+    "RunNotFoundError",
+    "StorageError",
+    "StoreFormatError",
+    "StoreLockedError",
+]
+
+
+class StorageError(Exception):
+    """Root of every error raised by the storage package."""
+
+
+class StoreLockedError(StorageError, BlockingIOError):
+    """Another storage daemon holds the lock of the store (one writer per store)."""
+
+
+class StoreFormatError(StorageError, ValueError):
+    """The store exists but is not a worldtap run store, or its layout version is unknown."""
+
+
+class RunNotFoundError(StorageError, KeyError):
+    """The store holds no run with the requested id."""
+
+    def __str__(self) -> str:  # KeyError quotes its argument; keep the message readable
+        return str(self.args[0]) if self.args else ""
+
+
+class EpisodeNotFoundError(StorageError, KeyError):
+    """The run holds no committed episode with the requested (world, index)."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""

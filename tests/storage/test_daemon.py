@@ -1,0 +1,224 @@
+"""The daemon as a real process: CLI, crash and resume, SIGTERM, the lock, bad messages."""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import zmq
+from storage_sim import assert_episode_equal, expected_sim
+
+from storage import RunStore
+
+pytestmark = pytest.mark.timeout(90)
+
+ROOT = Path(__file__).resolve().parents[2]
+SIM = Path(__file__).with_name("storage_sim.py")
+ENV = {**os.environ, "PYTHONPATH": str(ROOT)}
+
+
+class Proc:
+    """A child process whose stdout and stderr lines are collected by background threads."""
+
+    def __init__(self, args: list[str], cwd: Path) -> None:
+        self.args = args
+        self.popen = subprocess.Popen(args, cwd=cwd, env=ENV, stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True)
+        self.out: list[str] = []
+        self.err: list[str] = []
+        self._threads = [threading.Thread(target=self._pump, args=(s, d), daemon=True)
+                         for s, d in ((self.popen.stdout, self.out), (self.popen.stderr, self.err))]
+        for t in self._threads:
+            t.start()
+
+    @staticmethod
+    def _pump(stream: object, into: list[str]) -> None:
+        for line in stream:  # type: ignore[attr-defined]
+            into.append(line)
+
+    def wait_line(self, text: str, *, stream: str = "err", timeout: float = 30.0) -> str:
+        lines = self.err if stream == "err" else self.out
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for line in list(lines):
+                if text in line:
+                    return line
+            if self.popen.poll() is not None and not any(text in ln for ln in lines):
+                time.sleep(0.1)
+                if not any(text in ln for ln in lines):
+                    break
+            time.sleep(0.02)
+        raise AssertionError(f"{text!r} not seen from {self.args}: {''.join(self.err)[-3000:]}")
+
+    def wait(self, timeout: float = 60.0) -> int:
+        rc = self.popen.wait(timeout)
+        for t in self._threads:
+            t.join(5)
+        for stream in (self.popen.stdout, self.popen.stderr):
+            if stream is not None:
+                stream.close()
+        return rc
+
+    @property
+    def stderr(self) -> str:
+        return "".join(self.err)
+
+
+@pytest.fixture
+def spawn(tmp_path: Path) -> Iterator[object]:
+    procs: list[Proc] = []
+
+    def make(*args: str) -> Proc:
+        proc = Proc([sys.executable, *args], tmp_path)
+        procs.append(proc)
+        return proc
+
+    yield make
+    for proc in procs:
+        if proc.popen.poll() is None:
+            proc.popen.kill()
+        proc.wait(10)
+
+
+def publisher(spawn: object, *extra: str) -> tuple[Proc, str]:
+    pub = spawn(str(SIM), *extra)  # type: ignore[operator]
+    endpoint = pub.wait_line("tcp://", stream="out").strip()
+    return pub, endpoint
+
+
+def daemon(spawn: object, store: Path, *extra: str) -> Proc:
+    proc = spawn("-m", "storage", str(store), "--status-interval", "0.2", *extra)  # type: ignore[operator]
+    proc.wait_line("worldtap-store ready")
+    return proc
+
+
+def check_store(store: Path, *, seed: int, steps: int, worlds: int = 6) -> RunStore:
+    """Every committed episode is byte-equal to what the publisher generated."""
+    sim = expected_sim(seed, steps, worlds)
+    reader = RunStore(store)
+    for row in reader.episodes("run-a").rows():
+        key = (row["world"], row["index"])
+        assert row["success"] == sim.outcome[key]
+        assert_episode_equal(reader.episode("run-a", *key), sim.arrays(key))
+    return reader
+
+
+def test_cli_round_trip_and_info_through_entry_point(spawn: object, tmp_path: Path) -> None:
+    pub, ep = publisher(spawn, "--steps", "150")
+    store = tmp_path / "runs.zarr"
+    proc = daemon(spawn, store, "--connect", ep, "--exit-after-runs", "1")
+    assert proc.wait() == 0, proc.stderr
+    assert pub.wait() == 0
+    assert "worldtap-store done: episodes=" in proc.stderr
+    reader = check_store(store, seed=0, steps=150)
+    n = len(reader.episodes("run-a"))
+    assert n == len(expected_sim(0, 150, 6).outcome)
+    exe = shutil.which("worldtap-store")
+    cmd = [exe] if exe else [sys.executable, "-m", "storage"]
+    out = subprocess.run([*cmd, "info", str(store)], capture_output=True, text=True, env=ENV,
+                         timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines()[1].split()[:4] == ["run-a", "complete", "6", str(n)]
+    bad = subprocess.run([*cmd, "info", str(tmp_path / "nothing")], capture_output=True,
+                         text=True, env=ENV, timeout=60)
+    assert bad.returncode == 3
+    assert "the directory does not exist" in bad.stderr
+    usage = subprocess.run([*cmd, "--export", "bogus"], capture_output=True, text=True, env=ENV,
+                           timeout=60)
+    assert usage.returncode == 2
+    assert "invalid choice: 'bogus'" in usage.stderr
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_kill_9_then_resume(spawn: object, tmp_path: Path, seed: int) -> None:
+    rng = random.Random(seed)
+    steps, steps2 = 600, 100
+    gate = tmp_path / "gate"
+    pub, ep = publisher(spawn, "--steps", str(steps), "--seed", str(seed), "--delay", "0.004",
+                        "--gate", str(gate), "--steps2", str(steps2))
+    store = tmp_path / "runs.zarr"
+    first = daemon(spawn, store, "--connect", ep, "--commit-interval", "0.05",
+                   "--memory-budget", "8KiB")  # tiny: fragments are in flight when killed
+    time.sleep(rng.uniform(0.4, 1.2))
+    first.popen.send_signal(signal.SIGKILL)
+    assert first.wait() == -signal.SIGKILL
+    before = check_store(store, seed=seed, steps=steps + steps2)  # intact; partial: invisible
+    committed = len(before.episodes("run-a"))
+    second = daemon(spawn, store, "--connect", ep, "--exit-after-runs", "1",
+                    "--commit-interval", "0.05", "--memory-budget", "8KiB")
+    gate.touch()
+    assert pub.wait() == 0
+    assert second.wait() == 0, second.stderr
+    after = check_store(store, seed=seed, steps=steps + steps2)
+    info = after.info("run-a")
+    assert info["resumed"] == 1
+    assert info["status"] == "complete"
+    assert len(after.episodes("run-a")) > committed
+    assert after.episodes("run-a")["segments"].max() > 3  # fragments were flushed and joined
+    gaps = after.gaps("run-a")
+    assert (gaps["source"] == 1).sum() == 1, gaps.rows()
+    assert not list(store.rglob("*.partial"))
+
+
+def test_sigterm_commits_and_exits_0(spawn: object, tmp_path: Path) -> None:
+    _, ep = publisher(spawn, "--steps", "300", "--delay", "0.005")
+    store = tmp_path / "runs.zarr"
+    proc = daemon(spawn, store, "--connect", ep, "--commit-interval", "5")
+    proc.wait_line("run 'run-a': started")
+    time.sleep(0.8)
+    proc.popen.send_signal(signal.SIGTERM)
+    assert proc.wait() == 0, proc.stderr
+    line = proc.wait_line("worldtap-store done")
+    reader = check_store(store, seed=0, steps=300)
+    stored = int(line.split("episodes=")[1].split()[0])
+    assert stored == len(reader.episodes("run-a")) > 0  # commit interval never elapsed
+
+
+def test_second_daemon_on_the_same_store_refuses(spawn: object, tmp_path: Path) -> None:
+    store = tmp_path / "runs.zarr"
+    first = daemon(spawn, store, "--connect", "tcp://127.0.0.1:9")
+    second = spawn("-m", "storage", str(store), "--connect", "tcp://127.0.0.1:9")  # type: ignore[operator]
+    assert second.wait(60) == 3
+    assert "is locked by another storage daemon (pid" in second.stderr
+    first.popen.send_signal(signal.SIGINT)
+    assert first.wait() == 0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_bad_messages_are_counted_and_skipped(spawn: object, tmp_path: Path) -> None:
+    endpoint = f"tcp://127.0.0.1:{_free_port()}"
+    store = tmp_path / "runs.zarr"
+    proc = daemon(spawn, store, "--bind", endpoint, "--exit-after-runs", "1")
+    ctx = zmq.Context()
+    try:
+        sock = ctx.socket(zmq.PUB)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(endpoint)
+        time.sleep(0.5)  # slow joiner: let the daemon's subscription reach us
+        for junk in ([b"batch/obs", b"\x93not msgpack"], [b"episode/end"], [b"run/x", b"\xc1", b"1"]):
+            sock.send_multipart(junk)
+        time.sleep(0.3)
+        sock.close(linger=0)
+    finally:
+        ctx.term()
+    pub, _ = publisher(spawn, "--steps", "80", "--connect", "--endpoint", endpoint)
+    assert pub.wait() == 0
+    assert proc.wait() == 0, proc.stderr
+    line = proc.wait_line("worldtap-store done")
+    assert int(line.split("bad=")[1].split()[0]) == 3
+    check_store(store, seed=0, steps=80)

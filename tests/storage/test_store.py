@@ -1,0 +1,244 @@
+"""The writer, reader and daemon core, in process, on in-memory twins and real disk stores."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+import zarr
+from storage_sim import Sim, assert_episode_equal
+
+import storage
+from broker import Batch, Broker, EpisodeEnd, Gap
+from consumers.sample_table import SampleTable
+from storage import (
+    EpisodeNotFoundError,
+    RunNotFoundError,
+    RunStore,
+    RunStoreWriter,
+    StoreDaemon,
+    StoreFormatError,
+)
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def run_sim(broker: Broker, store: Any, *, steps: int = 120, worlds: int = 6, close: bool = True,
+            **daemon_kw: Any) -> tuple[Sim, StoreDaemon]:
+    daemon = StoreDaemon(store, commit_interval=0.5, **daemon_kw)
+    broker.subscribe("", daemon)
+    sim = Sim(broker, worlds)
+    sim.step(steps)
+    if close:
+        sim.close()
+        daemon.close()
+    return sim, daemon
+
+
+def check_all(reader: RunStore, sim: Sim, run: str = "run-a", *, expect: str = "all") -> int:
+    table = reader.episodes(run)
+    done = {k for k in sim.outcome if expect == "all" or sim.outcome[k] == (expect == "succeeded")}
+    got = {(r["world"], r["index"]) for r in table.rows()}
+    assert got == done
+    for row in table.rows():
+        key = (row["world"], row["index"])
+        assert row["success"] == sim.outcome[key]
+        assert_episode_equal(reader.episode(run, *key), sim.arrays(key))
+    return len(table)
+
+
+def test_exported_surface() -> None:
+    assert storage.__all__ == sorted(storage.__all__)
+    assert {n for n in dir(storage) if not n.startswith("_")} >= set(storage.__all__)
+
+
+def test_round_trip_memory_store(broker: Broker) -> None:
+    store = zarr.storage.MemoryStore()
+    sim, daemon = run_sim(broker, store)
+    reader = RunStore(store)
+    assert reader.runs() == ["run-a"]
+    n = check_all(reader, sim)
+    assert n > 20
+    assert daemon.statistics().episodes_stored == n
+    assert reader.info("run-a")["status"] == "complete"
+    ep = reader.episode("run-a", *next(iter(sim.outcome)))
+    assert set(ep["obs/_hook"].tolist()) == {"post_step"}
+    assert np.all(np.diff(ep["obs/_step"]) == 1)
+
+
+def test_round_trip_disk_and_plain_zarr_and_xarray(broker: Broker, tmp_path: Path) -> None:
+    xr = pytest.importorskip("xarray")
+    sim, _ = run_sim(broker, tmp_path / "runs.zarr")
+    reader = RunStore(tmp_path / "runs.zarr")
+    check_all(reader, sim)
+    root = zarr.open_group(tmp_path / "runs.zarr", mode="r")
+    meta = root["runs/run-a"].attrs["worldtap_run"]
+    n = meta["committed"]["episodes"]
+    assert np.array_equal(root["runs/run-a/episodes/world"][:n], reader.episodes("run-a")["world"])
+    ds = xr.open_zarr(tmp_path / "runs.zarr", group="runs/run-a/episodes", consolidated=False)
+    assert ds.sizes["episode"] == n
+    assert ds["success"].dtype == bool
+    data = xr.open_zarr(tmp_path / "runs.zarr", group="runs/run-a/data/obs", consolidated=False)
+    assert data["state"].dims == ("obs_row", "state_dim0")
+
+
+def test_filters_and_errors(broker: Broker) -> None:
+    store = zarr.storage.MemoryStore()
+    sim, _ = run_sim(broker, store)
+    reader = RunStore(store)
+    table = reader.episodes()
+    ok = table.filter(success=True)
+    assert len(ok) == sum(sim.outcome.values())
+    assert ok["success"].all()
+    assert len(table.where(table["world"] == 2)) == sum(1 for w, _ in sim.outcome if w == 2)
+    with pytest.raises(KeyError, match="no column 'nope'"):
+        table.filter(nope=1)
+    with pytest.raises(RunNotFoundError, match="run 'missing' not found in store"):
+        reader.episodes("missing")
+    with pytest.raises(EpisodeNotFoundError, match="no committed episode with world=0 index=999"):
+        reader.episode("run-a", 0, 999)
+
+
+def test_not_a_run_store(tmp_path: Path) -> None:
+    zarr.open_group(tmp_path / "other.zarr", mode="w").create_group("x")
+    with pytest.raises(StoreFormatError, match="is a zarr group but not a worldtap run store"):
+        RunStoreWriter(tmp_path / "other.zarr")
+    with pytest.raises(StoreFormatError, match="is not a worldtap run store"):
+        RunStore(tmp_path / "other.zarr")
+    with pytest.raises(StoreFormatError, match="the directory does not exist"):
+        RunStore(tmp_path / "absent.zarr")
+
+
+def test_variation_table_matches_live_sample_table(broker: Broker) -> None:
+    live = SampleTable()
+    live.attach(broker)
+    store = zarr.storage.MemoryStore()
+    run_sim(broker, store)
+    stored = RunStore(store).variation_table("run-a")
+    assert stored.columns == live.columns
+    assert stored.columns[3:5] == ("friction", "mass")
+    assert len(stored) == len(live) > 20
+    a, b = stored.arrays(), live.arrays()
+    order_a = np.lexsort((a.episode, a.world))
+    order_b = np.lexsort((b.episode, b.world))
+    np.testing.assert_array_equal(a.world[order_a], b.world[order_b])
+    np.testing.assert_array_equal(a.episode[order_a], b.episode[order_b])
+    np.testing.assert_array_equal(a.x[order_a], b.x[order_b])  # NaN (no runtime draw) == NaN
+    np.testing.assert_array_equal(a.y[order_a], b.y[order_b])
+    assert np.isnan(a.x[:, 0]).sum() < len(a.world)
+
+
+def test_long_episode_far_beyond_budget(broker: Broker) -> None:
+    store = zarr.storage.MemoryStore()
+    daemon = StoreDaemon(store, memory_budget=64 << 10, commit_interval=0.0)
+    broker.subscribe("", daemon)
+    sim = Sim(broker, 2, reset_p=0.0, width=64)   # ~260 bytes per world-step
+    sim.step(1500, force_reset=None)  # 1500 steps * 2 worlds * 270 B ~ 800 KB >> 64 KiB
+    sim.step(1, force_reset=[0, 1])
+    sim.close()
+    daemon.close()
+    reader = RunStore(store)
+    table = reader.episodes("run-a")
+    assert len(table) == 2
+    assert table["segments"].min() > 10  # flushed as fragments, read back whole
+    for row in table.rows():
+        key = (row["world"], row["index"])
+        assert_episode_equal(reader.episode("run-a", *key), sim.arrays(key))
+
+
+@pytest.mark.parametrize("mode", ["all", "succeeded", "split", "none"])
+def test_export_modes(broker: Broker, mode: str) -> None:
+    store, failed = zarr.storage.MemoryStore(), zarr.storage.MemoryStore()
+    sim, daemon = run_sim(broker, store, export=mode, failed_store=failed,
+                          memory_budget=32 << 10)  # small: failed episodes have fragments
+    stats = daemon.statistics()
+    if mode == "none":
+        assert stats.episodes_stored == 0
+        assert not daemon.writers
+        return
+    n = check_all(RunStore(store), sim, expect="all" if mode == "all" else "succeeded")
+    if mode == "split":
+        n += check_all(RunStore(failed), sim, expect="failed")
+    assert stats.episodes_stored == n
+    if mode == "succeeded":
+        assert stats.episodes_filtered == len(sim.outcome) - n
+
+
+def test_gap_drops_episodes_in_progress_and_is_recorded(broker: Broker) -> None:
+    store = zarr.storage.MemoryStore()
+    daemon = StoreDaemon(store, commit_interval=0.0)
+    broker.subscribe("", daemon)
+    sim = Sim(broker, 4, reset_p=0.0)
+    sim.step(5)
+    gap = Gap("run-a", "batch/obs", 40, 45)
+    daemon.handle(gap)
+    sim.step(1, force_reset=[0, 1])  # these episodes lost their middle: not stored
+    sim.step(4)
+    sim.step(1, force_reset=[0])  # this one started after the gap: stored
+    sim.close()
+    daemon.close()
+    reader = RunStore(store)
+    assert [(r["world"], r["index"]) for r in reader.episodes("run-a").rows()] == [(0, 1)]
+    assert reader.gaps("run-a").rows() == [
+        {"expected": 40, "received": 45, "source": 0, "topic": "batch/obs"}]
+    assert daemon.statistics().episodes_incomplete == 2
+
+
+def test_rejected_messages_are_counted_and_skipped(broker: Broker) -> None:
+    store = zarr.storage.MemoryStore()
+    daemon = StoreDaemon(store, commit_interval=0.0)
+    broker.subscribe("", daemon)
+    sim = Sim(broker, 3, reset_p=0.0)
+    sim.step(3)
+    w = torch.arange(3)
+    bad = [
+        Batch("run-a", 10_000, 3, "batch/obs", w, torch.zeros(3, dtype=torch.int64),
+              {"state": torch.zeros(3, 5)}),  # schema change
+        Batch("run-a", 10_001, 3, "batch/x", w, torch.zeros(2, dtype=torch.int64),
+              {"a": torch.zeros(3)}),  # episodes of the wrong length
+        EpisodeEnd("run-a", 10_002, 3, torch.tensor([0, 0]), torch.zeros(2, dtype=torch.int64),
+                   *(torch.zeros(2, dtype=torch.bool),) * 3, torch.zeros(2, dtype=torch.int64)),
+    ]
+    for message in bad:
+        daemon.handle(message)
+    sim.step(3, force_reset=[0, 1, 2])
+    sim.close()
+    daemon.close()
+    assert sum(daemon.statistics().rejected.values()) == 3
+    check_all(RunStore(store), sim)
+
+
+def test_resume_truncates_uncommitted_rows(tmp_path: Path) -> None:
+    writer = RunStoreWriter(tmp_path / "s.zarr")
+    from broker import FieldSpec
+
+    run = writer.run("r", num_worlds=2)
+    run.ensure_term("t", {"v": FieldSpec("float32", (2,))})
+    ones = np.ones((4, 2), np.float32)
+    off = run.append("t", {"v": ones}, np.arange(4), np.ones(4, np.uint8))
+    from storage.zarr_store import EpisodeRows
+
+    cols = {"world": np.array([0]), "index": np.array([0]), "length": np.array([4]),
+            "success": np.array([True]), "terminated": np.array([False]),
+            "truncated": np.array([False]), "end_step": np.array([4]), "end_seq": np.array([9]),
+            "segment_count": np.array([1])}
+    run.commit(EpisodeRows(cols, np.array([[0, off, 4]])))
+    count = run.append_variation("k", "runtime", None, np.array([0]), np.array([0]),
+                                 np.array([1]), np.array([2]), np.ones((1, 3)))
+    run.commit(variations={"k": count})
+    run.append_variation("k", "runtime", None, np.array([1]), np.array([0]), np.array([5]),
+                         np.array([6]), np.ones((1, 3)))  # never committed
+    run.append("t", {"v": 2 * ones}, np.arange(4), np.ones(4, np.uint8))  # never committed
+    run.group["episodes/world"].append(np.array([1]))  # an interrupted commit's debris
+    reader = RunStore(tmp_path / "s.zarr")
+    assert len(reader.episodes("r")) == 1
+    assert reader.episode("r", 0, 0)["t/v"].tobytes() == ones.tobytes()
+    again = RunStoreWriter(tmp_path / "s.zarr").run("r", num_worlds=2)
+    assert again.rows("t") == 4
+    assert again.group["episodes/world"].shape == (1,)
+    assert again.meta["resumed"] == 1
+    assert again.group["variations/k/value"].shape == (1, 3)
+    assert RunStore(tmp_path / "s.zarr").variation_samples("r", "k")["world"].tolist() == [0]
