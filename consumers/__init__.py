@@ -16,6 +16,6 @@ __all__ = [
     "RetentionError",
     "RetentionStatistics",
     "SampleArrays",
-    "SampleTableError",
     "SampleTable",
+    "SampleTableError",
 ]
