@@ -39,8 +39,12 @@ def _check_fields(topic: str, bufs: Mapping[str, torch.Tensor], fields: Mapping[
 
 
 class _Buffer:
-    def __init__(self, topic: str, num_worlds: int, capacity: int, fields: Mapping[str, torch.Tensor]) -> None:
+    def __init__(
+        self, topic: str, num_worlds: int, capacity: int, fields: Mapping[str, torch.Tensor],
+        growth: float,
+    ) -> None:
         self.topic = topic
+        self.growth = growth
         self.num_worlds = num_worlds
         self.capacity = capacity
         first = next(iter(fields.values()))
@@ -67,8 +71,7 @@ class SharedAxisBuffer(_Buffer):
         self, topic: str, num_worlds: int, capacity: int, fields: Mapping[str, torch.Tensor],
         growth: float,
     ) -> None:
-        super().__init__(topic, num_worlds, capacity, fields)
-        self.growth = growth
+        super().__init__(topic, num_worlds, capacity, fields, growth)
         self.time = 0  # absolute number of appends (host)
         self.start = torch.zeros(num_worlds, dtype=torch.int64, device=self.device)
         self._oldest = 0  # host lower bound of start.min()
@@ -145,8 +148,7 @@ class PerWorldBuffer(_Buffer):
         self, topic: str, num_worlds: int, capacity: int, fields: Mapping[str, torch.Tensor],
         growth: float,
     ) -> None:
-        super().__init__(topic, num_worlds, capacity, fields)
-        self.growth = growth
+        super().__init__(topic, num_worlds, capacity, fields, growth)
         self.count = torch.zeros(num_worlds, dtype=torch.int64, device=self.device)
         self._highest = 0  # host upper bound of count.max()
 

@@ -102,6 +102,16 @@ def _seed(value: object) -> int:
     return value
 
 
+def _init_range(cfg: UniformCfg | LogUniformCfg, *, strict_positive: bool) -> None:
+    """Validate and normalize the ``low``/``high`` bounds and the seed of a range config."""
+    low, high = _bounds("low", cfg.low), _bounds("high", cfg.high)
+    _same_shape(("low", "high"), low, high)
+    _ordered(low, high, strict_positive=strict_positive)
+    object.__setattr__(cfg, "low", low)
+    object.__setattr__(cfg, "high", high)
+    object.__setattr__(cfg, "seed", _seed(cfg.seed))
+
+
 def check_label(name: str, value: object) -> Label:
     """``value`` if msgpack carries it as a plain scalar (str, bool, 64-bit int, float)."""
     if isinstance(value, bool | str | float):
@@ -123,12 +133,7 @@ class UniformCfg:
     seed: int = field(default=0, kw_only=True)
 
     def __post_init__(self) -> None:
-        low, high = _bounds("low", self.low), _bounds("high", self.high)
-        _same_shape(("low", "high"), low, high)
-        _ordered(low, high)
-        object.__setattr__(self, "low", low)
-        object.__setattr__(self, "high", high)
-        object.__setattr__(self, "seed", _seed(self.seed))
+        _init_range(self, strict_positive=False)
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -149,12 +154,7 @@ class LogUniformCfg:
     seed: int = field(default=0, kw_only=True)
 
     def __post_init__(self) -> None:
-        low, high = _bounds("low", self.low), _bounds("high", self.high)
-        _same_shape(("low", "high"), low, high)
-        _ordered(low, high, strict_positive=True)
-        object.__setattr__(self, "low", low)
-        object.__setattr__(self, "high", high)
-        object.__setattr__(self, "seed", _seed(self.seed))
+        _init_range(self, strict_positive=True)
 
     @property
     def shape(self) -> tuple[int, ...]:
