@@ -72,6 +72,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--hwm", type=int, default=32, metavar="N",
                    help="ZeroMQ receive high-water mark: messages queued before the publisher "
                         "is slowed down (memory outside the budget: N x message size)")
+    p.add_argument("--curve-keys", default=None, metavar="FILE",
+                   help="CURVE: this daemon's key pair (a .key_secret file from worldtap-keys); "
+                        "its public key must be on the publishers' allow-list")
+    p.add_argument("--curve-server", default=None, metavar="FILE",
+                   help="CURVE: the publishers' public key (.key file); needs --curve-keys")
     p.add_argument("--exit-after-runs", type=int, default=None, metavar="N",
                    help="exit once N runs have ended")
     p.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
@@ -100,9 +105,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["info"]:
         return _info(argv[1:])
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if (args.curve_keys is None) != (args.curve_server is None):
+        parser.error("--curve-keys and --curve-server go together")
     logging.basicConfig(level=args.log_level, stream=sys.stderr,
                         format="%(asctime)s worldtap-store %(levelname)s %(message)s")
+    from broker import SecurityError
+
+    try:
+        args.curve = _curve(args)
+    except SecurityError as exc:
+        print(f"worldtap-store: {exc}", file=sys.stderr)
+        return 2
     stop = threading.Event()
 
     def _on_signal(signum: int, frame: FrameType | None) -> None:
@@ -132,7 +147,7 @@ def _serve(args: argparse.Namespace, stop: threading.Event) -> int:
         stack.callback(daemon.close)
         bind = bool(args.bind)
         endpoints = args.bind if bind else (args.connect or ["tcp://127.0.0.1:5555"])
-        sub = Subscriber(endpoints, topics=("",), bind=bind,
+        sub = Subscriber(endpoints, topics=("",), bind=bind, curve=args.curve,
                          max_message_size=args.max_message_size, hwm=args.hwm)
         stack.callback(sub.close)
 
@@ -163,6 +178,20 @@ def _serve(args: argparse.Namespace, stop: threading.Event) -> int:
               f"avg={ds.bytes_written / 1e6 / max(ds.uptime_s, 1e-9):.1f}MB/s",
               file=sys.stderr, flush=True)
     return 0
+
+
+def _curve(args: argparse.Namespace) -> Any:
+    """The subscriber's CURVE client settings, or ``None`` for plain text.
+
+    Raises:
+        broker.SecurityError: A key file is missing or malformed.
+    """
+    if args.curve_keys is None:
+        return None
+    from broker import CurveClient, load_keypair
+    from broker.security import load_public_key
+
+    return CurveClient(load_keypair(args.curve_keys), load_public_key(args.curve_server))
 
 
 def _lock_targets(args: argparse.Namespace) -> list[Any]:
