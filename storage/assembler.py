@@ -49,9 +49,10 @@ def _lazy(shape: tuple[int, ...], dtype: np.dtype[Any]) -> torch.Tensor:
 class TopicBuffer:
     """Rows of one batch topic (a recorder term), per world, for the episodes in progress.
 
-    Storage is one ``[capacity * worlds, *shape]`` array per field, row ``r`` of world ``w``
-    at ``r * worlds + w``, so a batch is one fancy-index assignment and copying out episodes
-    one ``index_select``.
+    Storage is one ``[worlds * capacity, *shape]`` array per field, row ``r`` of world ``w``
+    at ``w * capacity + r`` (world-major), so a batch is one fancy-index assignment and
+    copying out episodes one ``index_select`` over contiguous runs of rows (an episode's rows
+    are adjacent in memory: the copy-out streams instead of striding across the buffer).
 
     Args:
         term: The term name (topic without ``batch/``).
@@ -100,7 +101,7 @@ class TopicBuffer:
         self.counts = np.zeros(num_worlds, np.int64)
         self.counts[:w] = old_counts
         for name, buf in old.items():
-            self.bufs[name].view(c, num_worlds, *buf.shape[1:])[:, :w] = buf.view(c, w, *buf.shape[1:])
+            self.bufs[name][:w * c] = buf  # world-major: the old worlds are a prefix
 
     def full(self, worlds: np.ndarray) -> bool:
         return bool(len(worlds)) and int(self.counts[worlds].max()) >= self.capacity
@@ -109,7 +110,7 @@ class TopicBuffer:
             hook: str) -> None:
         """Copy one batch's rows into the worlds' slots (the caller checked ``full``)."""
         rows = self.counts[worlds]
-        idx = rows * self.num_worlds + worlds
+        idx = worlds * self.capacity + rows
         for name, values in fields.items():  # numpy's fancy setitem: far faster than index_copy_
             self.views[name][idx] = values.numpy()
         self.views["_step"][idx] = step
@@ -125,7 +126,7 @@ class TopicBuffer:
         total = int(counts.sum())
         starts = np.cumsum(counts) - counts
         r = np.arange(total, dtype=np.int64) - np.repeat(starts, counts)
-        return torch.from_numpy(r * self.num_worlds + np.repeat(worlds, counts))
+        return torch.from_numpy(r + np.repeat(worlds * self.capacity, counts))
 
 
 class Stager:
