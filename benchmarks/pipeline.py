@@ -159,7 +159,7 @@ def _zmq_ceiling(worlds: int, seconds: float) -> float:
 def _zarr_ceiling(worlds: int, seconds: float, root: Path, args: Any) -> float:
     import zarr
 
-    from storage._zarr_io import append_all, compressors
+    from storage._zarr_io import APPEND_CONFIG, append_all, compressors
 
     pool = _pool(worlds)
     piece_rows = max(1, min(64 << 20, args.memory_budget // 16) // 672)
@@ -174,7 +174,8 @@ def _zarr_ceiling(worlds: int, seconds: float, root: Path, args: Any) -> float:
             arrays[name] = group.create_array(name, shape=(0, *value.shape[1:]), dtype=value.dtype,
                                               chunks=(max(1, args.chunk_size // row),
                                                       *value.shape[1:]),
-                                              compressors=compressors(args.compression))
+                                              compressors=compressors(args.compression)
+                                              ).with_config(APPEND_CONFIG)  # as the daemon's
         pairs = [(arrays[name], value) for name, value in block.items()]
         nbytes = sum(v.nbytes for v in block.values())
         total, t0 = 0, time.monotonic()

@@ -2,11 +2,12 @@
 
 ``python -m benchmarks.transport [--json] [--worlds 256 4096] [--seconds N] [--transports ipc tcp]``
 
-For each transport and world count, one receiver process (started once) takes, in turn:
-raw PUSH/PULL of the payload's bytes (the ceiling), then the worldtap path (broker ->
-ZmqPublisher -> Subscriber with full decoding). Reported: payload GB/s and messages/s at the
-receiver, their ratio, the simulation-thread cost per publish against a memcpy of the payload
-(randomized paired trials, staging ring not full), and a lossless check (every sequence number
+For each transport and world count, one receiver process (started once) takes, alternating
+over ``--rounds`` rounds: raw PUSH/PULL of the payload's bytes (the ceiling), then the worldtap
+path (broker -> ZmqPublisher -> Subscriber with full decoding). Reported: payload GB/s and
+messages/s at the receiver (medians over rounds), the median of the per-round ratios, the
+simulation-thread cost per publish against a memcpy of the payload (randomized paired trials,
+staging ring not full), and a lossless check (every sequence number
 received, adler32 checksums of randomized batches equal on both sides).
 Budgets: >= 70% of raw throughput at 4096 worlds; publish <= 2x memcpy.
 """
@@ -14,6 +15,7 @@ Budgets: >= 70% of raw throughput at 4096 worlds; publish <= 2x memcpy.
 from __future__ import annotations
 
 import multiprocessing as mp
+import statistics
 import tempfile
 import time
 import zlib
@@ -132,16 +134,15 @@ def _raw(endpoint: str, worlds: int, seconds: float, conn: Connection) -> dict[s
     return result
 
 
-def _worldtap(endpoint: str, worlds: int, seconds: float, trials: int,
-              conn: Connection) -> tuple[dict[str, Any], dict[str, list[float]], bool]:
+def _worldtap(endpoint: str, worlds: int, seconds: float, trials: int, conn: Connection,
+              slots: int = 8, hwm: int = 64) -> tuple[dict[str, Any], dict[str, list[float]], bool]:
     w, e, fields = payload(worlds)
-    slots = 8
     # memcpy baseline: into one of `slots` rotating buffers, like the staging ring (a copy into
     # the same cache-hot buffer every time would flatter the baseline)
     dsts = [[t.clone() for t in [w, e, *fields.values()]] for _ in range(slots)]
     turn = iter(range(1 << 62))
     bus = Broker(strict=True)
-    pub = ZmqPublisher(endpoint, send_timeout=60.0, slots=slots)
+    pub = ZmqPublisher(endpoint, send_timeout=60.0, slots=slots, hwm=hwm)
     bus.subscribe("", pub)
     conn.send(("worldtap", endpoint))
     assert conn.recv() == "ready"
@@ -188,12 +189,17 @@ def _worldtap(endpoint: str, worlds: int, seconds: float, trials: int,
 def main(argv: list[str] | None = None) -> None:
     parser = base_parser(__doc__.splitlines()[0])
     parser.add_argument("--worlds", type=int, nargs="+", default=[256, 4096])
-    parser.add_argument("--seconds", type=float, default=3.0, help="duration of each throughput run")
+    parser.add_argument("--seconds", type=float, default=5.0,
+                        help="throughput time of each side per case, split over --rounds")
     parser.add_argument("--transports", nargs="+", default=["ipc", "tcp"], choices=["ipc", "tcp"])
     parser.add_argument("--trials", type=int, default=0, help="paired cost trials (default: from --seconds)")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch intra-op threads of the publishing process (default 1: OpenMP "
                              "workers spinning next to ZeroMQ's I/O thread distort small machines)")
+    parser.add_argument("--rounds", type=int, default=5,
+                        help="alternating raw/worldtap rounds per case (ratio: median over rounds)")
+    parser.add_argument("--slots", type=int, default=8, help="ZmqPublisher staging slots")
+    parser.add_argument("--hwm", type=int, default=64, help="ZmqPublisher send high-water mark")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     trials = args.trials or max(5, int(args.seconds * 10))
@@ -211,9 +217,17 @@ def main(argv: list[str] | None = None) -> None:
 
             for transport in args.transports:
                 for worlds in args.worlds:
-                    raw = _raw(endpoint(transport), worlds, args.seconds, parent)
-                    ours, cost, lossless = _worldtap(endpoint(transport), worlds, args.seconds, trials, parent)
-                    sample = _summarize(transport, worlds, raw, ours, cost, lossless)
+                    raws, ours, costs, lossless = [], [], {"memcpy": [], "publish": []}, True
+                    share = args.seconds / args.rounds
+                    for _ in range(args.rounds):  # interleaved: both sides see the same machine
+                        raws.append(_raw(endpoint(transport), worlds, share, parent))
+                        result, cost, ok = _worldtap(endpoint(transport), worlds, share,
+                                                     max(trials // args.rounds, 3), parent, args.slots, args.hwm)
+                        ours.append(result)
+                        lossless &= ok
+                        for name, values in cost.items():
+                            costs[name] += values
+                    sample = _summarize(transport, worlds, raws, ours, costs, lossless)
                     samples.append(sample)
                     rows.append([transport, worlds, sample["payload_kb"], sample["raw_gb_s"],
                                  sample["worldtap_gb_s"], sample["throughput_ratio"], sample["worldtap_msg_s"],
@@ -243,7 +257,7 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _summarize(transport: str, worlds: int, raw: dict[str, Any], ours: dict[str, Any],
+def _summarize(transport: str, worlds: int, raws: list[dict[str, Any]], ours: list[dict[str, Any]],
                cost: dict[str, list[float]], lossless: bool) -> dict[str, Any]:
     def gbs(r: dict[str, Any]) -> float:
         return r["bytes"] / r["seconds"] / 1e9 if r["seconds"] > 0 else 0.0
@@ -251,16 +265,19 @@ def _summarize(transport: str, worlds: int, raw: dict[str, Any], ours: dict[str,
     def mps(r: dict[str, Any]) -> float:
         return r["messages"] / r["seconds"] if r["seconds"] > 0 else 0.0
 
+    ratios = [gbs(o) / gbs(r) if gbs(r) else 0.0 for r, o in zip(raws, ours, strict=True)]
     publish, memcpy = stats(cost["publish"]), stats(cost["memcpy"])
     _, _, fields = payload(1)
     per_world = 16 + sum(t.element_size() * max(t[0].numel(), 1) for t in fields.values())
+    med = statistics.median
     return {
         "transport": transport, "worlds": worlds, "payload_kb": worlds * per_world / 1e3,
-        "raw_gb_s": gbs(raw), "raw_msg_s": mps(raw), "worldtap_gb_s": gbs(ours), "worldtap_msg_s": mps(ours),
-        "throughput_ratio": gbs(ours) / gbs(raw) if gbs(raw) else 0.0,
+        "raw_gb_s": med(gbs(r) for r in raws), "raw_msg_s": med(mps(r) for r in raws),
+        "worldtap_gb_s": med(gbs(o) for o in ours), "worldtap_msg_s": med(mps(o) for o in ours),
+        "throughput_ratio": med(ratios), "throughput_ratios": ratios,
         "publish_ms": publish["median"], "memcpy_ms": memcpy["median"],
         "cost_ratio": publish["median"] / memcpy["median"] if memcpy["median"] else 0.0,
-        "lossless": lossless, "raw": raw, "worldtap": ours, "publish_trials_ms": publish,
+        "lossless": lossless, "raw": raws, "worldtap": ours, "publish_trials_ms": publish,
         "memcpy_trials_ms": memcpy,
     }
 

@@ -12,15 +12,29 @@ import threading
 import time
 from typing import Any, Final
 
+import numpy as np
 import torch
 import zmq
 
-__all__ = ["Layout", "Slot", "Staged", "StagingRing"]
+__all__ = ["Layout", "Plan", "Slot", "Staged", "StagingRing"]
 
 _ALIGN: Final = 64
 
 Layout = list[tuple[int, int]]
 """``(offset, nbytes)`` of each staged tensor inside its slot."""
+
+
+_SAME_SIZE_INT: Final = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _host_array(t: torch.Tensor) -> np.ndarray:
+    """A numpy view of a CPU tensor; dtypes numpy lacks (bfloat16, float8) are viewed as
+    integers of their size (staging copies bits)."""
+    t = t.detach()
+    try:
+        return t.numpy()
+    except TypeError:
+        return t.view(_SAME_SIZE_INT[t.element_size()]).numpy()
 
 
 class Slot:
@@ -30,9 +44,8 @@ class Slot:
 
     def __init__(self) -> None:
         self.buffer: torch.Tensor | None = None
-        # (dtype, shape) of every tensor -> layout and the destination views of the non-empty
-        # ones: messages of one topic repeat their shapes, so staging is one fused copy.
-        self.plans: dict[tuple[tuple[torch.dtype, torch.Size], ...], tuple[Layout, list[torch.Tensor], list[int]]] = {}
+        # (dtype, shape) of every tensor -> its plan: messages of one topic repeat their shapes.
+        self.plans: dict[tuple[tuple[torch.dtype, torch.Size], ...], Plan] = {}
         self.array: Any = None  # numpy view of ``buffer``, for zero-copy frames
         self.busy = False
         self.tracker: zmq.MessageTracker | None = None
@@ -49,6 +62,17 @@ class Slot:
     def frame(self, offset: int, nbytes: int) -> memoryview:
         """A zero-copy view of staged bytes."""
         return self.array[offset:offset + nbytes].data  # type: ignore[no-any-return]
+
+
+class Plan:
+    """How one message shape is laid out in a slot: each tensor's ``(offset, nbytes)``, and
+    destination views (torch, and numpy for the CPU path) of the non-empty ones."""
+
+    __slots__ = ("host", "layout", "nonempty", "pinned", "views")
+
+    def __init__(self, layout: Layout, views: list[torch.Tensor], host: list[np.ndarray],
+                 nonempty: list[int], pinned: bool) -> None:
+        self.layout, self.views, self.host, self.nonempty, self.pinned = layout, views, host, nonempty, pinned
 
 
 class Staged:
@@ -113,22 +137,27 @@ class StagingRing:
     def stage(self, slot: Slot, tensors: list[torch.Tensor]) -> tuple[Layout, Any]:
         """Copy ``tensors`` into ``slot`` (64-byte aligned). Returns the layout and, for CUDA
         tensors, the event the sender must wait on before reading the slot (else ``None``)."""
-        cuda = next((t.device for t in tensors if t.device.type == "cuda"), None)
+        cuda = next((t.device for t in tensors if t.is_cuda), None)
         key = tuple((t.dtype, t.shape) for t in tensors)
         plan = slot.plans.get(key)
-        if plan is None or (cuda is not None and not slot.buffer.is_pinned()):  # type: ignore[union-attr]
-            plan = self._plan(slot, tensors, pinned=cuda is not None)
-            slot.plans[key] = plan
-        layout, views, nonempty = plan
-        sources = [tensors[i] for i in nonempty]
-        if cuda is None:
-            if views:
-                torch._foreach_copy_(views, sources)
-            return layout, None
-        return layout, self._stage_cuda(slot, views, sources, cuda)
+        if plan is None or (cuda is not None and not plan.pinned):
+            plan = slot.plans[key] = self._plan(slot, tensors, pinned=cuda is not None)
+        if cuda is not None:
+            return plan.layout, self._stage_cuda(slot, plan.views, [tensors[i] for i in plan.nonempty], cuda)
+        # numpy's copy runs on the calling thread alone. torch's copy would fan out to its
+        # intra-op (OpenMP) workers, which, on a machine whose cores are busy with the
+        # simulation, the sender and ZeroMQ, wait for each other and make it far slower.
+        for dst, i in zip(plan.host, plan.nonempty, strict=True):
+            src = tensors[i]
+            try:
+                array = src.numpy()
+            except (TypeError, RuntimeError):  # requires grad, or a dtype numpy lacks
+                array = _host_array(src)
+            np.copyto(dst, array, casting="no")
+        return plan.layout, None
 
     @staticmethod
-    def _plan(slot: Slot, tensors: list[torch.Tensor], pinned: bool) -> tuple[Layout, list[torch.Tensor], list[int]]:
+    def _plan(slot: Slot, tensors: list[torch.Tensor], pinned: bool) -> Plan:
         layout: Layout = []
         offset = 0
         for t in tensors:
@@ -139,7 +168,7 @@ class StagingRing:
         nonempty = [i for i, (_, nb) in enumerate(layout) if nb]
         views = [buffer[layout[i][0]:layout[i][0] + layout[i][1]].view(tensors[i].dtype).view(tensors[i].shape)
                  for i in nonempty]
-        return layout, views, nonempty
+        return Plan(layout, views, [_host_array(v) for v in views], nonempty, pinned and buffer.is_pinned())
 
     def _stage_cuda(self, slot: Slot, views: list[torch.Tensor], sources: list[torch.Tensor],
                     device: torch.device) -> Any:

@@ -17,6 +17,7 @@ import numpy as np
 import zarr
 import zarr.codecs
 from zarr.abc.store import Store
+from zarr.core.array_spec import ArrayConfigParams
 from zarr.core.buffer import Buffer
 from zarr.core.sync import sync
 from zarr.storage import LocalStore
@@ -24,6 +25,7 @@ from zarr.storage import LocalStore
 from .errors import StoreFormatError
 
 __all__ = [
+    "APPEND_CONFIG",
     "EPISODE_COLUMNS",
     "FORMAT",
     "FORMAT_VERSION",
@@ -62,6 +64,11 @@ GAP_COLUMNS: dict[str, str] = {"expected": "int64", "received": "int64", "source
 VAR_COLUMNS = ("world", "episode", "step", "seq")
 TABLE_CHUNK = 16384
 """Columns of the episode, segment, gap and variation-sample tables, and their chunk length."""
+
+APPEND_CONFIG: Final[ArrayConfigParams] = {"write_empty_chunks": True}
+"""Config of the data arrays the daemon appends to: episode rows are never the fill value
+worth skipping, and checking each chunk against it costs a chunk-sized compare. Reclaiming
+crash debris (:func:`zero_rows`) writes with ``write_empty_chunks=False`` instead."""
 
 Compression: TypeAlias = Literal["lz4", "zstd", "none"]
 StoreLocation: TypeAlias = "str | os.PathLike[str] | Store"
@@ -164,6 +171,7 @@ def zero_rows(array: zarr.Array[Any], start: int, stop: int, *, piece_rows: int 
     """Overwrite rows ``[start, stop)`` with the fill value; chunks left entirely empty are
     deleted by zarr (``write_empty_chunks=False``), which is how crash debris is reclaimed."""
     stop = min(stop, array.shape[0])
+    array = array.with_config({"write_empty_chunks": False})
     fill = np.zeros((min(piece_rows, max(stop - start, 0)), *array.shape[1:]), dtype=array.dtype)
     while start < stop:
         end = min(stop, start + piece_rows)

@@ -120,13 +120,14 @@ class TopicBuffer:
     def discard(self, worlds: np.ndarray) -> None:
         self.counts[worlds] = 0
 
-    def rows_of(self, worlds: np.ndarray) -> torch.Tensor:
+    def rows_of(self, worlds: np.ndarray) -> np.ndarray:
         """Flat buffer rows of ``worlds``' episodes, world after world, each in order."""
         counts = self.counts[worlds]
         total = int(counts.sum())
         starts = np.cumsum(counts) - counts
         r = np.arange(total, dtype=np.int64) - np.repeat(starts, counts)
-        return torch.from_numpy(r + np.repeat(worlds * self.capacity, counts))
+        rows: np.ndarray = r + np.repeat(worlds * self.capacity, counts)
+        return rows
 
 
 class Stager:
@@ -144,17 +145,16 @@ class Stager:
                  executor: ThreadPoolExecutor | None = None) -> None:
         self.writer, self.term = writer, buf.term
         self.rows = max(1, piece_bytes // buf.row_bytes)
-        self._shapes = {name: ((self.rows, *b.shape[1:]), b.numpy().dtype)
-                        for name, b in buf.bufs.items()}
+        self._shapes = {name: ((self.rows, *b.shape[1:]), b.dtype) for name, b in buf.views.items()}
         self.arrays = self._alloc()
-        self._spare: dict[str, torch.Tensor] | None = None
+        self._spare: dict[str, np.ndarray] | None = None
         self._executor = executor
         self._pending: Future[None] | None = None
         self.n = 0
         self.entries: list[tuple[list[Segment], int]] = []
 
-    def _alloc(self) -> dict[str, torch.Tensor]:
-        return {name: _lazy(shape, dtype) for name, (shape, dtype) in self._shapes.items()}
+    def _alloc(self) -> dict[str, np.ndarray]:
+        return {name: np.zeros(shape, dtype) for name, (shape, dtype) in self._shapes.items()}
 
     def stage(self, buf: TopicBuffer, worlds: np.ndarray, segs: list[list[Segment]]) -> None:
         """Move the rows of ``worlds`` (``segs``: each world's segment list) out of ``buf``."""
@@ -167,13 +167,15 @@ class Stager:
             if self.n + total > self.rows:
                 self.flush()
             idx = buf.rows_of(worlds[piece])
+            # numpy gathers on this thread alone: torch's index_select would fan out to OpenMP
+            # workers that contend with zarr's codec threads and the receiver for the cores.
             if total > self.rows:  # one world longer than a piece: write it directly
                 self.wait()
-                self._write({n: b.index_select(0, idx) for n, b in buf.bufs.items()},
+                self._write({n: np.take(b, idx, axis=0) for n, b in buf.views.items()},
                             list(zip(segs[piece], counts[piece].tolist(), strict=True)))
             else:
-                for name, b in buf.bufs.items():
-                    torch.index_select(b, 0, idx, out=self.arrays[name][self.n:self.n + total])
+                for name, b in buf.views.items():
+                    np.take(b, idx, axis=0, out=self.arrays[name][self.n:self.n + total], mode="clip")
                 self.entries.extend(zip(segs[piece], counts[piece].tolist(), strict=True))
                 self.n += total
             buf.counts[worlds[piece]] = 0
@@ -202,8 +204,8 @@ class Stager:
             pending, self._pending = self._pending, None
             pending.result()
 
-    def _write(self, arrays: dict[str, torch.Tensor], entries: list[tuple[list[Segment], int]]) -> None:
-        data = {name: a.numpy() for name, a in arrays.items()}
+    def _write(self, arrays: dict[str, np.ndarray], entries: list[tuple[list[Segment], int]]) -> None:
+        data = dict(arrays)
         steps, hooks = data.pop("_step"), data.pop("_hook")
         offset = self.writer.append(self.term, data, steps, hooks)
         code = self.writer.topic_code(self.term)

@@ -69,7 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--commit-interval", type=float, default=0.5, metavar="SECONDS")
     p.add_argument("--status-interval", type=float, default=5.0, metavar="SECONDS")
     p.add_argument("--max-message-size", type=parse_size, default=2**31 - 1, metavar="SIZE")
-    p.add_argument("--hwm", type=int, default=32, metavar="N",
+    p.add_argument("--hwm", type=int, default=8, metavar="N",
                    help="ZeroMQ receive high-water mark: messages queued before the publisher "
                         "is slowed down (memory outside the budget: N x message size)")
     p.add_argument("--curve-keys", default=None, metavar="FILE",

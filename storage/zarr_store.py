@@ -23,6 +23,7 @@ import zarr
 from broker import FieldSpec
 
 from ._zarr_io import (
+    APPEND_CONFIG,
     EPISODE_COLUMNS,
     FORMAT,
     FORMAT_VERSION,
@@ -132,7 +133,7 @@ class RunWriter:
                 compressors=owner.compressors, fill_value=False if dtype == np.bool_ else 0,
                 dimension_names=dims, attributes={"worldtap_field": spec.to_dict()},
                 overwrite=True,  # an array not in the committed meta is debris of a crash
-            )
+            ).with_config(APPEND_CONFIG)
         self._data[term] = arrays
         self.meta["fields"][term] = {name: spec.to_dict() for name, spec in specs.items()}
         self.meta["topics"].append(term)
@@ -142,7 +143,7 @@ class RunWriter:
         tgroup = self.group[f"data/{term}"]
         assert isinstance(tgroup, zarr.Group)
         names = [*self.meta["fields"][term], "_step", "_hook"]
-        self._data[term] = {name: as_array(tgroup[name]) for name in names}
+        self._data[term] = {name: as_array(tgroup[name]).with_config(APPEND_CONFIG) for name in names}
 
     def rows(self, term: str) -> int:
         """Rows written so far to ``term`` (committed or not)."""

@@ -2,92 +2,25 @@
 
 from __future__ import annotations
 
-import os
 import random
 import shutil
 import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import zmq
+from procs import ENV, Proc
 from storage_sim import assert_episode_equal, expected_sim
 
 from storage import RunStore
 
 pytestmark = pytest.mark.timeout(90)
 
-ROOT = Path(__file__).resolve().parents[2]
 SIM = Path(__file__).with_name("storage_sim.py")
-ENV = {**os.environ, "PYTHONPATH": str(ROOT)}
-
-
-class Proc:
-    """A child process whose stdout and stderr lines are collected by background threads."""
-
-    def __init__(self, args: list[str], cwd: Path) -> None:
-        self.args = args
-        self.popen = subprocess.Popen(args, cwd=cwd, env=ENV, stdout=subprocess.PIPE,
-                                      stderr=subprocess.PIPE, text=True)
-        self.out: list[str] = []
-        self.err: list[str] = []
-        self._threads = [threading.Thread(target=self._pump, args=(s, d), daemon=True)
-                         for s, d in ((self.popen.stdout, self.out), (self.popen.stderr, self.err))]
-        for t in self._threads:
-            t.start()
-
-    @staticmethod
-    def _pump(stream: object, into: list[str]) -> None:
-        for line in stream:  # type: ignore[attr-defined]
-            into.append(line)
-
-    def wait_line(self, text: str, *, stream: str = "err", timeout: float = 30.0) -> str:
-        lines = self.err if stream == "err" else self.out
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            for line in list(lines):
-                if text in line:
-                    return line
-            if self.popen.poll() is not None and not any(text in ln for ln in lines):
-                time.sleep(0.1)
-                if not any(text in ln for ln in lines):
-                    break
-            time.sleep(0.02)
-        raise AssertionError(f"{text!r} not seen from {self.args}: {''.join(self.err)[-3000:]}")
-
-    def wait(self, timeout: float = 60.0) -> int:
-        rc = self.popen.wait(timeout)
-        for t in self._threads:
-            t.join(5)
-        for stream in (self.popen.stdout, self.popen.stderr):
-            if stream is not None:
-                stream.close()
-        return rc
-
-    @property
-    def stderr(self) -> str:
-        return "".join(self.err)
-
-
-@pytest.fixture
-def spawn(tmp_path: Path) -> Iterator[object]:
-    procs: list[Proc] = []
-
-    def make(*args: str) -> Proc:
-        proc = Proc([sys.executable, *args], tmp_path)
-        procs.append(proc)
-        return proc
-
-    yield make
-    for proc in procs:
-        if proc.popen.poll() is None:
-            proc.popen.kill()
-        proc.wait(10)
 
 
 def publisher(spawn: object, *extra: str) -> tuple[Proc, str]:
