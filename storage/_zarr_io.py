@@ -199,9 +199,11 @@ def as_array(node: object) -> zarr.Array[Any]:
 
 
 def resize_tail(columns: Mapping[str, zarr.Array[Any]], n: int) -> None:
-    """Cut arrays back to ``n`` committed rows (debris of an interrupted commit), zeroing the
-    cut rows first so their chunks are deleted rather than left behind."""
+    """Cut arrays back to ``n`` committed rows (debris of an interrupted commit, or unused
+    capacity): zarr deletes the chunks past the new end, and the rows past ``n`` in the
+    chunk that holds it are zeroed first, so no uncommitted byte survives the cut."""
     for arr in columns.values():
         if arr.shape[0] > n:
-            zero_rows(arr, n, arr.shape[0])
+            rows = int(arr.chunks[0])
+            zero_rows(arr, n, -(-n // rows) * rows)
             arr.resize((n, *arr.shape[1:]))

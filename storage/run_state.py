@@ -183,6 +183,7 @@ class RunAssembler:
                                                           "schema": schema}}, wait=True)
         for writer in self._writers():
             writer._zero_holes()
+            writer.trim()
 
     # -- commits -------------------------------------------------------------------------
 
@@ -330,13 +331,18 @@ class RunAssembler:
             stager.wait()
 
     def close(self) -> None:
-        """Stop the background writer (call after the last commit)."""
+        """Stop the background writer (call after the last commit) and cut the arrays to
+        their length (a run left open at shutdown is resumed by a later daemon)."""
         self._executor.shutdown(wait=True)
+        if not self.ended:
+            for writer in self._writers():
+                writer.trim()
 
     def _copy(self, writer: RunWriter, code: int, offset: int, rows: int) -> list[Segment]:
         """Copy a fragment from the primary store to ``writer`` (split mode, failed episode)."""
         term = self.primary.meta["topics"][code]
-        arrays = self.primary._data[term]
+        arrays = {n: self.primary.data_array(term, n)
+                  for n in [*self.primary.meta["fields"][term], "_step", "_hook"]}
         out: list[Segment] = []
         step = max(1, self.piece_bytes // self.topics[term].row_bytes)
         for a in range(offset, offset + rows, step):

@@ -22,6 +22,7 @@ import zarr
 
 from broker import FieldSpec
 
+from ._columns import Column, write_columns
 from ._zarr_io import (
     APPEND_CONFIG,
     EPISODE_COLUMNS,
@@ -34,7 +35,6 @@ from ._zarr_io import (
     VAR_COLUMNS,
     Compression,
     StoreLocation,
-    append_all,
     as_array,
     compressors,
     encode_name,
@@ -80,8 +80,9 @@ class RunWriter:
         self.group = group
         self.meta = meta
         self.lock = threading.RLock()
-        self._data: dict[str, dict[str, zarr.Array[Any]]] = {}
-        self._tables: dict[str, dict[str, zarr.Array[Any]]] = {}
+        self._data: dict[str, dict[str, Column]] = {}
+        self._tables: dict[str, dict[str, Column]] = {}
+        self._variations: dict[str, dict[str, Column]] = {}
 
     @property
     def run(self) -> str:
@@ -121,54 +122,64 @@ class RunWriter:
             return
         owner = self._owner
         tgroup = self.group.require_group(f"data/{term}")
-        arrays: dict[str, zarr.Array[Any]] = {}
+        arrays: dict[str, Column] = {}
         for name, spec in {**specs, "_step": FieldSpec("int64", ()),
                            "_hook": FieldSpec("uint8", ())}.items():
             dtype = np.dtype(spec.dtype)
             row_bytes = max(1, dtype.itemsize * int(np.prod(spec.shape, dtype=np.int64)))
             chunk_rows = max(1, owner.chunk_bytes // row_bytes)
             dims = (f"{term}_row", *(f"{name}_dim{i}" for i in range(len(spec.shape))))
-            arrays[name] = tgroup.create_array(
+            arrays[name] = Column(tgroup.create_array(
                 name, shape=(0, *spec.shape), dtype=dtype, chunks=(chunk_rows, *spec.shape),
                 compressors=owner.compressors, fill_value=False if dtype == np.bool_ else 0,
                 dimension_names=dims, attributes={"worldtap_field": spec.to_dict()},
                 overwrite=True,  # an array not in the committed meta is debris of a crash
-            ).with_config(APPEND_CONFIG)
+            ).with_config(APPEND_CONFIG), 0)
         self._data[term] = arrays
         self.meta["fields"][term] = {name: spec.to_dict() for name, spec in specs.items()}
         self.meta["topics"].append(term)
         self.meta["committed"]["rows"].setdefault(term, 0)
 
-    def _open_term(self, term: str) -> None:
+    def _term_arrays(self, term: str) -> dict[str, zarr.Array[Any]]:
         tgroup = self.group[f"data/{term}"]
         assert isinstance(tgroup, zarr.Group)
         names = [*self.meta["fields"][term], "_step", "_hook"]
-        self._data[term] = {name: as_array(tgroup[name]).with_config(APPEND_CONFIG) for name in names}
+        return {name: as_array(tgroup[name]).with_config(APPEND_CONFIG) for name in names}
+
+    def _open_term(self, term: str) -> None:
+        rows = int(self.meta["committed"]["rows"].get(term, 0))
+        self._data[term] = {name: Column(arr, rows) for name, arr in self._term_arrays(term).items()}
 
     def rows(self, term: str) -> int:
         """Rows written so far to ``term`` (committed or not)."""
-        return int(self._data[term]["_step"].shape[0])
+        return self._data[term]["_step"].rows
+
+    def data_array(self, term: str, name: str) -> zarr.Array[Any]:
+        """The zarr array of field ``name`` (or ``_step``/``_hook``) of ``term``; rows past
+        :meth:`rows` are capacity, not data."""
+        return self._data[term][name].array
 
     def append(self, term: str, fields: Mapping[str, np.ndarray], steps: np.ndarray,
                hooks: np.ndarray) -> int:
         """Append rows to ``term``'s arrays (data only: nothing is committed). Returns the
         offset of the first row."""
-        arrays = self._data[term]
+        columns = self._data[term]
         offset = self.rows(term)
-        append_all([(arrays[name], values) for name, values in fields.items()]
-                   + [(arrays["_step"], steps), (arrays["_hook"], hooks)])
+        write_columns([(columns[name], values) for name, values in fields.items()]
+                      + [(columns["_step"], steps), (columns["_hook"], hooks)])
         self._owner.bytes_written += sum(int(v.nbytes) for v in fields.values())
         return offset
 
     # -- index (written last) ------------------------------------------------------------
 
-    def _table(self, name: str, columns: Mapping[str, str], dim: str) -> dict[str, zarr.Array[Any]]:
+    def _table(self, name: str, columns: Mapping[str, str], dim: str) -> dict[str, Column]:
         if name not in self._tables:
             tgroup = self.group.require_group(name)
+            rows = int(self.meta["committed"][name])
             self._tables[name] = {
-                col: as_array(tgroup[col]) if col in tgroup else tgroup.create_array(
+                col: Column(as_array(tgroup[col]) if col in tgroup else tgroup.create_array(
                     col, shape=(0,), dtype=dtype, chunks=(TABLE_CHUNK,),
-                    compressors=self._owner.compressors, dimension_names=(dim,))
+                    compressors=self._owner.compressors, dimension_names=(dim,)), rows)
                 for col, dtype in columns.items()
             }
         return self._tables[name]
@@ -203,23 +214,24 @@ class RunWriter:
             counts = episodes.columns["segment_count"].astype(np.int64)
             starts = n_seg + np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
             cols = {**episodes.columns, "segment_start": starts}
-            resize_tail(etab, n_ep)
-            resize_tail(stab, n_seg)
-            seg = episodes.segments
-            append_all([(arr, np.asarray(cols[col], dtype=arr.dtype)) for col, arr in etab.items()]
-                       + [(stab["episode"], np.repeat(np.arange(n_ep, n_ep + len(counts)), counts)),
-                          (stab["topic"], seg[:, 0]), (stab["offset"], seg[:, 1]),
-                          (stab["rows"], seg[:, 2])])
+            for column in [*etab.values(), *stab.values()]:  # an interrupted commit's rows
+                column.rewind(n_ep if column in etab.values() else n_seg)
+            seg = np.ascontiguousarray(episodes.segments, dtype=np.int64)
+            write_columns([(c, np.asarray(cols[col], dtype=c.array.dtype)) for col, c in etab.items()]
+                          + [(stab["episode"], np.repeat(np.arange(n_ep, n_ep + len(counts)), counts)),
+                             (stab["topic"], seg[:, 0].copy()), (stab["offset"], seg[:, 1].copy()),
+                             (stab["rows"], seg[:, 2].copy())])
             committed["episodes"] = n_ep + len(counts)
             committed["segments"] = n_seg + len(seg)
         if gaps:
             gtab = self._table("gaps", GAP_COLUMNS, "gap")
-            resize_tail(gtab, committed["gaps"])
+            for column in gtab.values():
+                column.rewind(committed["gaps"])
             topics: list[str] = self.meta.setdefault("gap_topics", [])
             for topic in {g[3] for g in gaps} - set(topics):
                 topics.append(topic)
             rows = np.asarray([(e, r, s, topics.index(t)) for e, r, s, t in gaps], np.int64)
-            append_all([(arr, rows[:, i]) for i, arr in enumerate(gtab.values())])
+            write_columns([(c, rows[:, i].copy()) for i, c in enumerate(gtab.values())])
             committed["gaps"] += len(gaps)
         for term in self._data:
             committed["rows"][term] = self.rows(term)
@@ -255,14 +267,18 @@ class RunWriter:
             vmeta[key] = {"node": name, "phase": phase, "labels": labels,
                           "field": FieldSpec(str(value.dtype), tuple(value.shape[1:])).to_dict()}
             self.meta["committed"]["variations"].setdefault(key, 0)
-        vnode = self.group[f"variations/{name}"]
-        assert isinstance(vnode, zarr.Group)
-        arrays = {col: as_array(vnode[col]) for col in ("value", *VAR_COLUMNS)}
-        n = arrays["world"].shape[0]  # == committed count, or more if written since
-        for col, values in (("value", value), ("world", worlds), ("episode", episodes),
-                            ("step", steps), ("seq", seqs)):
-            resize_tail({col: arrays[col]}, n)
-            arrays[col].append(values)
+        n = int(self.meta["committed"]["variations"][key])
+        if key not in self._variations:
+            vnode = self.group[f"variations/{name}"]
+            assert isinstance(vnode, zarr.Group)
+            self._variations[key] = {col: Column(as_array(vnode[col]), n)
+                                     for col in ("value", *VAR_COLUMNS)}
+        columns = self._variations[key]
+        for column in columns.values():
+            column.rewind(n)  # rows an interrupted commit wrote are overwritten
+        write_columns([(c, np.asarray(values, dtype=c.array.dtype)) for c, values in (
+            (columns["value"], value), (columns["world"], worlds), (columns["episode"], episodes),
+            (columns["step"], steps), (columns["seq"], seqs))])
         return n + len(worlds)
 
     # -- recovery ------------------------------------------------------------------------
@@ -273,15 +289,17 @@ class RunWriter:
         committed = self.meta["committed"]
         reclaimed = 0
         for term in list(self.meta["fields"]):
-            self._open_term(term)
             n = int(committed["rows"].get(term, 0))
-            reclaimed += max(0, self._data[term]["_step"].shape[0] - n)
-            resize_tail(self._data[term], n)
-        for name, cols, dim, n in (("episodes", EPISODE_COLUMNS, "episode", committed["episodes"]),
-                                   ("segments", SEGMENT_COLUMNS, "segment", committed["segments"]),
-                                   ("gaps", GAP_COLUMNS, "gap", committed["gaps"])):
+            arrays = self._term_arrays(term)
+            reclaimed += max(0, arrays["_step"].shape[0] - n)
+            resize_tail(arrays, n)
+            self._open_term(term)
+        for name, cols in (("episodes", EPISODE_COLUMNS), ("segments", SEGMENT_COLUMNS),
+                           ("gaps", GAP_COLUMNS)):
             if name in self.group:
-                resize_tail(self._table(name, cols, dim), n)
+                tgroup = self.group[name]
+                assert isinstance(tgroup, zarr.Group)
+                resize_tail({c: as_array(tgroup[c]) for c in cols if c in tgroup}, committed[name])
         for key, vmeta in self.meta["variations"].items():
             vgroup = self.group[f"variations/{vmeta['node']}"]
             assert isinstance(vgroup, zarr.Group)
@@ -296,7 +314,7 @@ class RunWriter:
         are invisible, and bounded by one chunk per hole. Returns the rows reclaimed."""
         n_seg = self.meta["committed"]["segments"]
         stab = self._table("segments", SEGMENT_COLUMNS, "segment") if n_seg else {}
-        segs = (np.stack([stab[c][:n_seg] for c in ("topic", "offset", "rows")], axis=1)
+        segs = (np.stack([stab[c].array[:n_seg] for c in ("topic", "offset", "rows")], axis=1)
                 if n_seg else np.zeros((0, 3), np.int64))
         reclaimed = 0
         for code, term in enumerate(self.meta["topics"]):
@@ -306,8 +324,8 @@ class RunWriter:
             np.add.at(edges, mine[:, 1], 1)
             np.add.at(edges, mine[:, 1] + mine[:, 2], -1)
             used = np.cumsum(edges[:end]) > 0
-            for arr in self._data[term].values():
-                rows = int(arr.chunks[0])
+            for column in self._data[term].values():
+                arr, rows = column.array, column.chunk
                 per_chunk = np.bincount(np.flatnonzero(used) // rows,
                                         minlength=-(-end // rows))
                 dead = np.flatnonzero(per_chunk == 0)
@@ -318,8 +336,17 @@ class RunWriter:
                                        np.r_[dead[breaks], dead[-1]], strict=True):
                     start, stop = int(first) * rows, min(end, (int(last) + 1) * rows)
                     zero_rows(arr, start, stop)
-                    reclaimed += (stop - start) if arr is self._data[term]["_step"] else 0
+                    reclaimed += (stop - start) if column is self._data[term]["_step"] else 0
         return reclaimed
+
+    def trim(self) -> None:
+        """Cut every array to the rows written, so plain zarr readers see exact lengths
+        (call once everything written is committed: at the run's end, or at shutdown).
+        Writing afterwards grows the capacity again."""
+        with self.lock:
+            for columns in [*self._data.values(), *self._tables.values(), *self._variations.values()]:
+                for column in columns.values():
+                    column.trim()
 
 
 class RunStoreWriter:
