@@ -21,7 +21,7 @@ from broker import FieldSpec
 from ._zarr_io import HOOKS
 from .zarr_store import RunWriter
 
-__all__ = ["Segment", "Stager", "TopicBuffer", "iter_pieces"]
+__all__ = ["DenseTopicBuffer", "Segment", "Stager", "TopicBuffer", "iter_pieces"]
 
 Segment = tuple[int, int, int]
 """``(topic code, first row, row count)`` of one contiguous run of rows in one store."""
@@ -130,6 +130,84 @@ class TopicBuffer:
         return rows
 
 
+class DenseTopicBuffer(TopicBuffer):
+    """A :class:`TopicBuffer` for topics whose batches cover every world (the per-step terms).
+
+    Storage is time-major, ``[capacity slots * worlds, *shape]`` with row ``w`` of slot ``s``
+    at ``s * worlds + w``, used as a ring: a batch of every world is one contiguous copy per
+    field, and an episode's rows are gathered when it is staged. ``capacity`` counts slots;
+    the topic is full when the next slot still holds the first row of an episode in progress.
+    A batch of only some worlds (rare here) marks which worlds its slot holds.
+    """
+
+    def _alloc(self, capacity: int) -> None:
+        super()._alloc(capacity)
+        self.t = 0  # slots used so far (the next slot is t % capacity)
+        self.first = np.zeros(self.num_worlds, np.int64)  # slot count at each world's first row
+        self.present = np.ones((capacity, self.num_worlds), bool)
+        self._all = np.arange(self.num_worlds)
+
+    def reshape(self, capacity: int, num_worlds: int) -> None:
+        assert not self.counts.any(), "reshape() of a non-empty DenseTopicBuffer"
+        self.num_worlds = num_worlds
+        self.counts = np.zeros(num_worlds, np.int64)
+        self._alloc(capacity)
+
+    def grow_worlds(self, num_worlds: int) -> None:
+        if num_worlds <= self.num_worlds:
+            return
+        w, c = self.num_worlds, self.capacity
+        old = {name: v.reshape(c, w, *v.shape[1:]) for name, v in self.views.items()}
+        counts, first, present, t = self.counts, self.first, self.present, self.t
+        self.num_worlds = num_worlds
+        self._alloc(c)
+        self.t = t
+        self.counts = np.zeros(num_worlds, np.int64)
+        self.counts[:w] = counts
+        self.first[:w] = first
+        self.present[:, :w] = present
+        self.present[:, w:] = False
+        for name, v in self.views.items():
+            v.reshape(c, num_worlds, *v.shape[1:])[:, :w] = old[name]
+
+    def full(self, worlds: np.ndarray) -> bool:
+        busy = self.counts > 0
+        return bool(busy.any()) and self.t - int(self.first[busy].min()) >= self.capacity
+
+    def add(self, worlds: np.ndarray, fields: Mapping[str, torch.Tensor], step: int,
+            hook: str) -> None:
+        """Copy one batch into the next slot (the caller checked ``full``)."""
+        n, slot = self.num_worlds, self.t % self.capacity
+        rows = slice(slot * n, (slot + 1) * n)
+        if len(worlds) == n and np.array_equal(worlds, self._all):  # every world: plain copies
+            for name, values in fields.items():
+                self.views[name][rows] = values.numpy()
+            self.present[slot] = True
+        else:
+            for name, values in fields.items():
+                self.views[name][rows][worlds] = values.numpy()
+            self.present[slot] = False
+            self.present[slot, worlds] = True
+        self.views["_step"][rows] = step
+        self.views["_hook"][rows] = HOOKS.index(hook)
+        starting = worlds[self.counts[worlds] == 0]
+        self.first[starting] = self.t
+        self.counts[worlds] += 1
+        self.t += 1
+
+    def rows_of(self, worlds: np.ndarray) -> np.ndarray:
+        counts = self.counts[worlds]
+        span = np.where(counts > 0, self.t - self.first[worlds], 0)
+        starts = np.cumsum(span) - span
+        slots = np.repeat(self.first[worlds], span) + (np.arange(int(span.sum())) - np.repeat(starts, span))
+        slots %= self.capacity
+        owners = np.repeat(worlds, span)
+        rows: np.ndarray = slots * self.num_worlds + owners
+        if not np.array_equal(span, counts):  # some slots skip some of these worlds
+            rows = rows[self.present[slots, owners]]
+        return rows
+
+
 class Stager:
     """Collects episode rows of one term for one store and appends them in large pieces.
 
@@ -178,7 +256,7 @@ class Stager:
                     np.take(b, idx, axis=0, out=self.arrays[name][self.n:self.n + total], mode="clip")
                 self.entries.extend(zip(segs[piece], counts[piece].tolist(), strict=True))
                 self.n += total
-            buf.counts[worlds[piece]] = 0
+            buf.discard(worlds[piece])
 
     def flush(self) -> None:
         """Append what is staged to the store (data only) and fill in the segments; in the

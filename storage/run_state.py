@@ -19,7 +19,7 @@ import torch
 
 from broker import Batch, EpisodeEnd, FieldSpec, RunEnd, VariationSample
 
-from .assembler import Segment, Stager, TopicBuffer
+from .assembler import DenseTopicBuffer, Segment, Stager, TopicBuffer
 from .errors import StorageError
 from .zarr_store import EpisodeRows, RunWriter
 
@@ -104,7 +104,7 @@ class RunAssembler:
                                       f"worlds dimension of {len(worlds)}, got {values.shape}")
             specs[name] = FieldSpec(str(values.dtype), values.shape[1:])
         fields: dict[str, torch.Tensor] = dict(msg.fields)
-        buf = self._topic(msg.term, specs)
+        buf = self._topic(msg.term, specs, dense=len(worlds) == self.num_worlds)
         stale = self.episode[worlds] != episodes
         if stale.any():  # we missed this world's episode boundary: its start is unseen
             self._drop(worlds[stale])
@@ -265,7 +265,9 @@ class RunAssembler:
             buf.grow_worlds(n)
         self._rebudget()
 
-    def _topic(self, term: str, specs: dict[str, FieldSpec]) -> TopicBuffer:
+    def _topic(self, term: str, specs: dict[str, FieldSpec], *, dense: bool) -> TopicBuffer:
+        """The buffer of ``term``, made on its first batch: time-major when that batch
+        covers every world (a per-step term), else world-major."""
         buf = self.topics.get(term)
         if buf is not None:
             if specs != buf.specs:
@@ -274,7 +276,7 @@ class RunAssembler:
             return buf
         for writer in self._writers():
             writer.ensure_term(term, specs)
-        buf = TopicBuffer(term, specs, self.num_worlds, 1)
+        buf = (DenseTopicBuffer if dense else TopicBuffer)(term, specs, self.num_worlds, 1)
         self.topics[term] = buf
         self._rebudget()
         return buf
