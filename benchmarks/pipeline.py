@@ -3,9 +3,9 @@
 ``python -m benchmarks.pipeline [--json] [--seconds 30] [--worlds 4096]``
 
 Measured in one run: the raw pyzmq ceiling (payload frames between two processes, nothing
-decoded), the raw zarr-python ceiling (appending 64 MB blocks of the payload to every field's
-array concurrently, with the daemon's codecs and chunks), each as the median of randomized
-trials; then the end-to-end
+decoded), the raw zarr-python ceiling (``Array.append`` of 64 MB blocks of the payload to every
+field's array concurrently, with the daemon's codecs, chunks and I/O threads), each as the
+median of randomized trials taken half before and half after the end-to-end
 pipeline (the Recorder publishing the seed payload through ZmqPublisher, the daemon writing
 it) sustained for ``--seconds``. Reported: end-to-end GB/s and steps/s, the daemon's peak RSS
 (VmHWM), and a lossless check that reads every stored row back and compares it byte for byte
@@ -64,7 +64,8 @@ def _publisher(args: Any) -> None:
     rng = np.random.default_rng(args.seed)
     lo, hi = max(1, args.episode_length // 2), max(2, 3 * args.episode_length // 2)
     broker = Broker()
-    pub = ZmqPublisher("tcp://127.0.0.1:*", bind=True, policy="block", send_timeout=120.0)
+    endpoint = "tcp://127.0.0.1:*" if args.transport == "tcp" else f"ipc://{args.ends}.ipc"
+    pub = ZmqPublisher(endpoint, bind=True, policy="block", send_timeout=120.0)
     broker.subscribe("", pub)
     print(pub.endpoints[0], flush=True)
     pub.wait_for_subscribers(1, timeout=60.0)
@@ -161,6 +162,7 @@ def _zarr_ceiling(worlds: int, seconds: float, root: Path, args: Any) -> float:
 
     from storage._zarr_io import APPEND_CONFIG, append_all, compressors
 
+    zarr.config.set({"threading.max_workers": os.cpu_count() or 2})  # as the daemon's default
     pool = _pool(worlds)
     piece_rows = max(1, min(64 << 20, args.memory_budget // 16) // 672)
     block = {k: np.concatenate([v[i % POOL] for i in range(-(-piece_rows // worlds))])[:piece_rows]
@@ -204,7 +206,8 @@ def _pipeline(args: Any, root: Path) -> dict[str, Any]:
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
     pub = subprocess.Popen([sys.executable, "-m", "benchmarks.pipeline", "--role", "publisher",
                             "--worlds", str(args.worlds), "--seconds", str(args.seconds),
-                            "--episode-length", str(args.episode_length), "--ends", str(ends)],
+                            "--episode-length", str(args.episode_length), "--ends", str(ends),
+                            "--transport", args.transport],
                            stdout=subprocess.PIPE, text=True, env=env)
     daemon = None
     try:
@@ -314,10 +317,13 @@ def main() -> None:
     parser.add_argument("--memory-budget", type=int, default=1 << 30)
     parser.add_argument("--compression", default="lz4", choices=("lz4", "zstd", "none"))
     parser.add_argument("--chunk-size", type=int, default=1 << 20)
-    parser.add_argument("--trials", type=int, default=3, help="trials of each ceiling")
+    parser.add_argument("--trials", type=int, default=4,
+                        help="trials of each ceiling (half before the pipeline, half after)")
     parser.add_argument("--dir", default=None, help="where the stores go (default: a temp dir)")
     parser.add_argument("--role", default=None, help=argparse_hidden())
     parser.add_argument("--ends", default=None, help=argparse_hidden())
+    parser.add_argument("--transport", default="tcp", choices=("tcp", "ipc"),
+                        help="publisher -> daemon transport (tcp loopback, or a unix socket)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     if args.role == "publisher":
@@ -329,13 +335,20 @@ def main() -> None:
         ceiling_s = max(0.3, min(5.0, args.seconds / 6))
         samples: dict[str, list[float]] = {"zmq": [], "zarr": []}
         rng = random.Random(args.seed)
-        for _ in range(args.trials):
-            order = list(samples)
-            rng.shuffle(order)
-            for name in order:
-                samples[name].append(_zmq_ceiling(args.worlds, ceiling_s) if name == "zmq"
-                                     else _zarr_ceiling(args.worlds, ceiling_s, root, args))
+
+        def ceilings(trials: int) -> None:
+            for _ in range(trials):
+                order = list(samples)
+                rng.shuffle(order)
+                for name in order:
+                    samples[name].append(_zmq_ceiling(args.worlds, ceiling_s) if name == "zmq"
+                                         else _zarr_ceiling(args.worlds, ceiling_s, root, args))
+
+        # Half the ceiling trials before the pipeline and half after: a shared machine's
+        # speed drifts, and the ratio should compare like with like.
+        ceilings(-(-args.trials // 2))
         result = _pipeline(args, root)
+        ceilings(args.trials // 2)
     finally:
         shutil.rmtree(root, ignore_errors=True)
     ceilings = {name: stats(v) for name, v in samples.items()}

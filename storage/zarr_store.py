@@ -308,35 +308,42 @@ class RunWriter:
         reclaimed += self._zero_holes()
         return reclaimed
 
-    def _zero_holes(self) -> int:
+    def _zero_holes(self, *, piece: int = 1 << 20) -> int:
         """Delete data chunks that no committed segment references (fragments of episodes
         that never ended). Unreferenced rows sharing a chunk with committed ones stay: they
-        are invisible, and bounded by one chunk per hole. Returns the rows reclaimed."""
-        n_seg = self.meta["committed"]["segments"]
+        are invisible, and bounded by one chunk per hole. Returns the rows reclaimed.
+
+        Memory is bounded by the number of chunks, whatever the run's length: the segment
+        table is read ``piece`` rows at a time."""
+        n_seg = int(self.meta["committed"]["segments"])
         stab = self._table("segments", SEGMENT_COLUMNS, "segment") if n_seg else {}
-        segs = (np.stack([stab[c].array[:n_seg] for c in ("topic", "offset", "rows")], axis=1)
-                if n_seg else np.zeros((0, 3), np.int64))
         reclaimed = 0
         for code, term in enumerate(self.meta["topics"]):
             end = int(self.meta["committed"]["rows"].get(term, 0))
-            mine = segs[segs[:, 0] == code]
-            edges = np.zeros(end + 1, np.int64)
-            np.add.at(edges, mine[:, 1], 1)
-            np.add.at(edges, mine[:, 1] + mine[:, 2], -1)
-            used = np.cumsum(edges[:end]) > 0
-            for column in self._data[term].values():
-                arr, rows = column.array, column.chunk
-                per_chunk = np.bincount(np.flatnonzero(used) // rows,
-                                        minlength=-(-end // rows))
-                dead = np.flatnonzero(per_chunk == 0)
+            columns = self._data[term]
+            sizes = sorted({c.chunk for c in columns.values()})
+            # per chunk size: +1 where a segment's first chunk is, -1 after its last
+            marks = {rows: np.zeros(-(-end // rows) + 1, np.int64) for rows in sizes}
+            for a in range(0, n_seg, piece):
+                b = min(n_seg, a + piece)
+                topic, offset, count = (np.asarray(stab[c].array[a:b], np.int64)
+                                        for c in ("topic", "offset", "rows"))
+                mine = (topic == code) & (count > 0)
+                first, last = offset[mine], offset[mine] + count[mine] - 1
+                for rows, mark in marks.items():
+                    np.add.at(mark, first // rows, 1)
+                    np.add.at(mark, last // rows + 1, -1)
+            for column in columns.values():
+                dead = np.flatnonzero(np.cumsum(marks[column.chunk][:-1]) == 0)
                 if not len(dead):
                     continue
+                rows = column.chunk
                 breaks = np.flatnonzero(np.diff(dead) != 1)
-                for first, last in zip(np.r_[dead[0], dead[breaks + 1]],
-                                       np.r_[dead[breaks], dead[-1]], strict=True):
-                    start, stop = int(first) * rows, min(end, (int(last) + 1) * rows)
-                    zero_rows(arr, start, stop)
-                    reclaimed += (stop - start) if column is self._data[term]["_step"] else 0
+                for lo, hi in zip(np.r_[dead[0], dead[breaks + 1]], np.r_[dead[breaks], dead[-1]],
+                                  strict=True):
+                    start, stop = int(lo) * rows, min(end, (int(hi) + 1) * rows)
+                    zero_rows(column.array, start, stop)
+                    reclaimed += (stop - start) if column is columns["_step"] else 0
         return reclaimed
 
     def trim(self) -> None:

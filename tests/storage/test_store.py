@@ -242,3 +242,27 @@ def test_resume_truncates_uncommitted_rows(tmp_path: Path) -> None:
     assert again.meta["resumed"] == 1
     assert again.group["variations/k/value"].shape == (1, 3)
     assert RunStore(tmp_path / "s.zarr").variation_samples("r", "k")["world"].tolist() == [0]
+
+
+def test_unreferenced_chunks_are_deleted_and_referenced_ones_kept(tmp_path: Path) -> None:
+    from broker import FieldSpec
+    from storage.zarr_store import EpisodeRows
+
+    writer = RunStoreWriter(tmp_path / "s.zarr", chunk_bytes=8 * 4)  # 4 rows of v per chunk
+    run = writer.run("r", num_worlds=1)
+    run.ensure_term("t", {"v": FieldSpec("float32", (2,))})
+    rows = np.arange(40, dtype=np.float32).reshape(20, 2) + 1
+    run.append("t", {"v": rows}, np.arange(20), np.ones(20, np.uint8))
+    # two committed episodes: rows 0-2 and 13-14; rows 3-12 and 15-19 are orphaned fragments
+    cols = {"world": np.array([0, 0]), "index": np.array([0, 1]), "length": np.array([3, 2]),
+            "success": np.array([True, True]), "terminated": np.array([False, False]),
+            "truncated": np.array([False, False]), "end_step": np.array([3, 15]),
+            "end_seq": np.array([3, 15]), "segment_count": np.array([1, 1])}
+    run.commit(EpisodeRows(cols, np.array([[0, 0, 3], [0, 13, 2]])))
+    reclaimed = run._zero_holes(piece=1)  # the segment table read one row at a time
+    chunks = sorted(p.parent.name for p in (tmp_path / "s.zarr/runs/r/data/t/v/c").glob("*/0"))
+    assert chunks == ["0", "3"]  # rows 0-3 and 12-15 hold committed rows; 4-11, 16-19 are gone
+    assert reclaimed == 12
+    reader = RunStore(tmp_path / "s.zarr")
+    np.testing.assert_array_equal(reader.episode("r", 0, 0)["t/v"], rows[0:3])
+    np.testing.assert_array_equal(reader.episode("r", 0, 1)["t/v"], rows[13:15])
