@@ -160,7 +160,7 @@ def _zmq_ceiling(worlds: int, seconds: float) -> float:
 def _zarr_ceiling(worlds: int, seconds: float, root: Path, args: Any) -> float:
     import zarr
 
-    from storage._zarr_io import APPEND_CONFIG, append_all, compressors
+    from storage._zarr_io import APPEND_CONFIG, CHUNK_KEYS, append_all, compressors
 
     zarr.config.set({"threading.max_workers": os.cpu_count() or 2})  # as the daemon's default
     pool = _pool(worlds)
@@ -176,7 +176,8 @@ def _zarr_ceiling(worlds: int, seconds: float, root: Path, args: Any) -> float:
             arrays[name] = group.create_array(name, shape=(0, *value.shape[1:]), dtype=value.dtype,
                                               chunks=(max(1, args.chunk_size // row),
                                                       *value.shape[1:]),
-                                              compressors=compressors(args.compression)
+                                              compressors=compressors(args.compression),
+                                              chunk_key_encoding=CHUNK_KEYS,
                                               ).with_config(APPEND_CONFIG)  # as the daemon's
         pairs = [(arrays[name], value) for name, value in block.items()]
         nbytes = sum(v.nbytes for v in block.values())

@@ -19,6 +19,7 @@ import zarr.codecs
 from zarr.abc.store import Store
 from zarr.core.array_spec import ArrayConfigParams
 from zarr.core.buffer import Buffer
+from zarr.core.chunk_key_encodings import ChunkKeyEncodingParams
 from zarr.core.sync import sync
 from zarr.storage import LocalStore
 
@@ -26,6 +27,7 @@ from .errors import StoreFormatError
 
 __all__ = [
     "APPEND_CONFIG",
+    "CHUNK_KEYS",
     "EPISODE_COLUMNS",
     "FORMAT",
     "FORMAT_VERSION",
@@ -69,6 +71,11 @@ APPEND_CONFIG: Final[ArrayConfigParams] = {"write_empty_chunks": True}
 """Config of the data arrays the daemon appends to: episode rows are never the fill value
 worth skipping, and checking each chunk against it costs a chunk-sized compare. Reclaiming
 crash debris (:func:`zero_rows`) writes with ``write_empty_chunks=False`` instead."""
+
+CHUNK_KEYS: Final[ChunkKeyEncodingParams] = {"name": "default", "separator": "."}
+"""Chunk key encoding of the data arrays: ``c.<row chunk>.0`` files beside ``zarr.json``.
+With ``/`` every row chunk of a multi-dimensional field would be a directory of its own,
+and creating a directory per chunk costs as much as writing a small chunk."""
 
 Compression: TypeAlias = Literal["lz4", "zstd", "none"]
 StoreLocation: TypeAlias = "str | os.PathLike[str] | Store"

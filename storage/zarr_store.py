@@ -25,6 +25,7 @@ from broker import FieldSpec
 from ._columns import Column, write_columns
 from ._zarr_io import (
     APPEND_CONFIG,
+    CHUNK_KEYS,
     EPISODE_COLUMNS,
     FORMAT,
     FORMAT_VERSION,
@@ -132,7 +133,8 @@ class RunWriter:
             arrays[name] = Column(tgroup.create_array(
                 name, shape=(0, *spec.shape), dtype=dtype, chunks=(chunk_rows, *spec.shape),
                 compressors=owner.compressors, fill_value=False if dtype == np.bool_ else 0,
-                dimension_names=dims, attributes={"worldtap_field": spec.to_dict()},
+                chunk_key_encoding=CHUNK_KEYS, dimension_names=dims,
+                attributes={"worldtap_field": spec.to_dict()},
                 overwrite=True,  # an array not in the committed meta is debris of a crash
             ).with_config(APPEND_CONFIG), 0)
         self._data[term] = arrays

@@ -260,8 +260,8 @@ def test_unreferenced_chunks_are_deleted_and_referenced_ones_kept(tmp_path: Path
             "end_seq": np.array([3, 15]), "segment_count": np.array([1, 1])}
     run.commit(EpisodeRows(cols, np.array([[0, 0, 3], [0, 13, 2]])))
     reclaimed = run._zero_holes(piece=1)  # the segment table read one row at a time
-    chunks = sorted(p.parent.name for p in (tmp_path / "s.zarr/runs/r/data/t/v/c").glob("*/0"))
-    assert chunks == ["0", "3"]  # rows 0-3 and 12-15 hold committed rows; 4-11, 16-19 are gone
+    chunks = sorted(p.name for p in (tmp_path / "s.zarr/runs/r/data/t/v").glob("c.*"))
+    assert chunks == ["c.0.0", "c.3.0"]  # rows 0-3 and 12-15 hold committed rows; 4-11, 16-19 are gone
     assert reclaimed == 12
     reader = RunStore(tmp_path / "s.zarr")
     np.testing.assert_array_equal(reader.episode("r", 0, 0)["t/v"], rows[0:3])
