@@ -7,7 +7,8 @@ over ``--rounds`` rounds: raw PUSH/PULL of the payload's bytes (the ceiling), th
 path (broker -> ZmqPublisher -> Subscriber with full decoding). Reported: payload GB/s and
 messages/s at the receiver (medians over rounds), the median of the per-round ratios, the
 simulation-thread cost per publish against a memcpy of the payload (randomized paired trials,
-staging ring not full), and a lossless check (every sequence number
+staging ring not full; each timed op alone, both with one payload in flight, as in a running
+simulation, and, as "idle", with nothing in flight), and a lossless check (every sequence number
 received, adler32 checksums of randomized batches equal on both sides).
 Budgets: >= 70% of raw throughput at 4096 worlds; publish <= 2x memcpy.
 """
@@ -164,10 +165,20 @@ def _worldtap(endpoint: str, worlds: int, seconds: float, trials: int, conn: Con
         for d, s in zip(dsts[next(turn) % slots], [w, e, *fields.values()], strict=True):
             d.copy_(s)
 
-    repeats = 4  # half the ring: the simulation thread never waits for the network here
-    cost, _ = paired_trials({"memcpy": (lambda: None, memcpy),
-                             "publish": (pub.flush, lambda: publish("batch/cost"))},
-                            trials=trials, repeats=repeats, device="cpu")
+    def busy() -> None:  # one payload in flight: sender, ZeroMQ and receiver at work, as in a run
+        pub.flush()
+        publish("batch/load")
+
+    def idle() -> None:  # nothing in flight
+        pub.flush()
+        time.sleep(0.005)
+
+    # Each timed op runs alone after its reset (the ring never fills: the simulation thread
+    # does not wait for the network), the memcpy under the same conditions as the publish.
+    cost, _ = paired_trials({"memcpy": (busy, memcpy), "publish": (busy, lambda: publish("batch/cost")),
+                             "idle_memcpy": (idle, memcpy),
+                             "idle_publish": (idle, lambda: publish("batch/cost"))},
+                            trials=trials, repeats=1, device="cpu")
     sums = {}
     for _ in range(VERIFY):
         for t in fields.values():
@@ -217,7 +228,8 @@ def main(argv: list[str] | None = None) -> None:
 
             for transport in args.transports:
                 for worlds in args.worlds:
-                    raws, ours, costs, lossless = [], [], {"memcpy": [], "publish": []}, True
+                    raws, ours, lossless = [], [], True
+                    costs: dict[str, list[float]] = {}
                     share = args.seconds / args.rounds
                     for _ in range(args.rounds):  # interleaved: both sides see the same machine
                         raws.append(_raw(endpoint(transport), worlds, share, parent))
@@ -226,12 +238,13 @@ def main(argv: list[str] | None = None) -> None:
                         ours.append(result)
                         lossless &= ok
                         for name, values in cost.items():
-                            costs[name] += values
+                            costs.setdefault(name, []).extend(values)
                     sample = _summarize(transport, worlds, raws, ours, costs, lossless)
                     samples.append(sample)
                     rows.append([transport, worlds, sample["payload_kb"], sample["raw_gb_s"],
                                  sample["worldtap_gb_s"], sample["throughput_ratio"], sample["worldtap_msg_s"],
-                                 sample["publish_ms"], sample["memcpy_ms"], sample["cost_ratio"], lossless])
+                                 sample["publish_ms"], sample["memcpy_ms"], sample["cost_ratio"],
+                                 sample["idle_cost_ratio"], lossless])
     finally:
         parent.send(None)
         worker.join(10)
@@ -245,7 +258,7 @@ def main(argv: list[str] | None = None) -> None:
                     "cases": samples, "budgets": budgets, "machine": machine(), "versions": versions()})
     else:
         print(table(["transport", "worlds", "payload kB", "raw GB/s", "worldtap GB/s", "ratio", "msg/s",
-                     "publish ms", "memcpy ms", "cost x", "lossless"], rows))
+                     "publish ms", "memcpy ms", "cost x", "idle cost x", "lossless"], rows))
         print(f"budgets: {budgets}")
 
 
@@ -267,6 +280,7 @@ def _summarize(transport: str, worlds: int, raws: list[dict[str, Any]], ours: li
 
     ratios = [gbs(o) / gbs(r) if gbs(r) else 0.0 for r, o in zip(raws, ours, strict=True)]
     publish, memcpy = stats(cost["publish"]), stats(cost["memcpy"])
+    idle_publish, idle_memcpy = stats(cost["idle_publish"]), stats(cost["idle_memcpy"])
     _, _, fields = payload(1)
     per_world = 16 + sum(t.element_size() * max(t[0].numel(), 1) for t in fields.values())
     med = statistics.median
@@ -277,8 +291,11 @@ def _summarize(transport: str, worlds: int, raws: list[dict[str, Any]], ours: li
         "throughput_ratio": med(ratios), "throughput_ratios": ratios,
         "publish_ms": publish["median"], "memcpy_ms": memcpy["median"],
         "cost_ratio": publish["median"] / memcpy["median"] if memcpy["median"] else 0.0,
+        "idle_publish_ms": idle_publish["median"], "idle_memcpy_ms": idle_memcpy["median"],
+        "idle_cost_ratio": idle_publish["median"] / idle_memcpy["median"] if idle_memcpy["median"] else 0.0,
         "lossless": lossless, "raw": raws, "worldtap": ours, "publish_trials_ms": publish,
-        "memcpy_trials_ms": memcpy,
+        "memcpy_trials_ms": memcpy, "idle_publish_trials_ms": idle_publish,
+        "idle_memcpy_trials_ms": idle_memcpy,
     }
 
 
