@@ -147,12 +147,6 @@ class DenseTopicBuffer(TopicBuffer):
         self.present = np.ones((capacity, self.num_worlds), bool)
         self._all = np.arange(self.num_worlds)
 
-    def reshape(self, capacity: int, num_worlds: int) -> None:
-        assert not self.counts.any(), "reshape() of a non-empty DenseTopicBuffer"
-        self.num_worlds = num_worlds
-        self.counts = np.zeros(num_worlds, np.int64)
-        self._alloc(capacity)
-
     def grow_worlds(self, num_worlds: int) -> None:
         if num_worlds <= self.num_worlds:
             return
