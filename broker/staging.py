@@ -8,6 +8,7 @@ is the slot reused, so the bytes a subscriber receives are the bytes that were s
 
 from __future__ import annotations
 
+import ctypes
 import threading
 import time
 from typing import Any, Final
@@ -24,13 +25,27 @@ Layout = list[tuple[int, int]]
 """``(offset, nbytes)`` of each staged tensor inside its slot."""
 
 
+# The CPU staging copy keeps the GIL. numpy and torch give it up for large copies, and
+# taking it back from the sender thread's Python costs up to the interpreter's switch
+# interval (5 ms by default) per copy; a message is several copies. One thread, no OpenMP
+# workers either (on a machine busy with the simulation, ZeroMQ and the sender they only wait
+# for each other).
+def _libc_memmove_holding_gil() -> Any:
+    address = ctypes.cast(ctypes.memmove, ctypes.c_void_p).value
+    assert address is not None
+    return ctypes.PYFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t)(address)
+
+
+_memmove_holding_gil: Final = _libc_memmove_holding_gil()
+
 _SAME_SIZE_INT: Final = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 def _host_array(t: torch.Tensor) -> np.ndarray:
-    """A numpy view of a CPU tensor; dtypes numpy lacks (bfloat16, float8) are viewed as
-    integers of their size (staging copies bits)."""
-    t = t.detach()
+    """A numpy view of a CPU tensor (a lazily negated or conjugated one is materialized first);
+    dtypes numpy lacks (bfloat16, float8) are viewed as integers of their size (staging
+    copies bits)."""
+    t = t.detach().resolve_neg().resolve_conj()
     try:
         return t.numpy()
     except TypeError:
@@ -66,13 +81,14 @@ class Slot:
 
 class Plan:
     """How one message shape is laid out in a slot: each tensor's ``(offset, nbytes)``, and
-    destination views (torch, and numpy for the CPU path) of the non-empty ones."""
+    destination views (torch, and numpy and addresses for the CPU path) of the non-empty ones."""
 
-    __slots__ = ("host", "layout", "nonempty", "pinned", "views")
+    __slots__ = ("addresses", "host", "layout", "nonempty", "pinned", "views")
 
     def __init__(self, layout: Layout, views: list[torch.Tensor], host: list[np.ndarray],
                  nonempty: list[int], pinned: bool) -> None:
         self.layout, self.views, self.host, self.nonempty, self.pinned = layout, views, host, nonempty, pinned
+        self.addresses = [int(h.ctypes.data) for h in host]
 
 
 class Staged:
@@ -144,16 +160,12 @@ class StagingRing:
             plan = slot.plans[key] = self._plan(slot, tensors, pinned=cuda is not None)
         if cuda is not None:
             return plan.layout, self._stage_cuda(slot, plan.views, [tensors[i] for i in plan.nonempty], cuda)
-        # numpy's copy runs on the calling thread alone. torch's copy would fan out to its
-        # intra-op (OpenMP) workers, which, on a machine whose cores are busy with the
-        # simulation, the sender and ZeroMQ, wait for each other and make it far slower.
-        for dst, i in zip(plan.host, plan.nonempty, strict=True):
+        for dst, address, i in zip(plan.host, plan.addresses, plan.nonempty, strict=True):
             src = tensors[i]
-            try:
-                array = src.numpy()
-            except (TypeError, RuntimeError):  # requires grad, or a dtype numpy lacks
-                array = _host_array(src)
-            np.copyto(dst, array, casting="no")
+            if src.is_contiguous() and not (src.is_neg() or src.is_conj()):
+                _memmove_holding_gil(address, src.data_ptr(), dst.nbytes)
+            else:  # strided: numpy copies element by element (bits, whatever the dtype)
+                np.copyto(dst, _host_array(src), casting="no")
         return plan.layout, None
 
     @staticmethod

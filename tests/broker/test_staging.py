@@ -40,10 +40,12 @@ def test_stage_copies_bits_of_every_dtype(dtype: torch.dtype) -> None:
 def test_stage_handles_strided_empty_zero_d_and_grad_tensors() -> None:
     base = torch.arange(60, dtype=torch.float32).reshape(6, 10)
     tensors = [base[:, ::3], base.t(), torch.zeros(0, 4), torch.tensor(7, dtype=torch.int64),
-               torch.ones(3, requires_grad=True), base[1:4].to(torch.bfloat16)[:, 1::2]]
+               torch.ones(3, requires_grad=True), base[1:4].to(torch.bfloat16)[:, 1::2],
+               base[2],  # contiguous, at an offset into its storage
+               torch.arange(5.0)._neg_view()]  # a lazily negated view: its values, not its bits
     ring = StagingRing(1, threading.Condition())
     for _ in range(2):  # the second pass reuses the cached plan
-        assert _staged_bytes(ring, tensors) == [_bits(t) for t in tensors]
+        assert _staged_bytes(ring, tensors) == [_bits(t.resolve_neg()) for t in tensors]
         base.add_(1)
 
 
