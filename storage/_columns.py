@@ -47,8 +47,12 @@ class Column:
         self.array = array
         self.chunk = int(array.chunks[0])
         self.rows = rows
-        start = rows - rows % self.chunk
-        self.tail: np.ndarray | None = np.asarray(array[start:rows]) if rows > start else None
+        self.tail: np.ndarray | None = None
+        self._read_tail()
+
+    def _read_tail(self) -> None:
+        start = self.rows - self.rows % self.chunk
+        self.tail = np.asarray(self.array[start:self.rows]) if self.rows > start else None
 
     @property
     def capacity(self) -> int:
@@ -101,8 +105,7 @@ class Column:
         """Forget rows written after the first ``rows`` (an interrupted commit's)."""
         if rows < self.rows:
             self.rows = rows
-            start = rows - rows % self.chunk
-            self.tail = np.asarray(self.array[start:rows]) if rows > start else None
+            self._read_tail()
 
 
 def write_columns(items: Sequence[tuple[Column, np.ndarray]]) -> None:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
 
 import numpy as np
 import torch
@@ -40,19 +39,13 @@ def iter_pieces(rows: np.ndarray, row_bytes: int, piece_bytes: int) -> Iterator[
         yield slice(start, len(rows))
 
 
-def _lazy(shape: tuple[int, ...], dtype: np.dtype[Any]) -> torch.Tensor:
-    # np.zeros maps pages lazily (calloc), so only rows actually used become resident;
-    # torch.zeros would touch every page up front.
-    return torch.from_numpy(np.zeros(shape, dtype))
-
-
 class TopicBuffer:
     """Rows of one batch topic (a recorder term), per world, for the episodes in progress.
 
     Storage is one ``[worlds * capacity, *shape]`` array per field, row ``r`` of world ``w``
     at ``w * capacity + r`` (world-major), so a batch is one fancy-index assignment and
-    copying out episodes one ``index_select`` over contiguous runs of rows (an episode's rows
-    are adjacent in memory: the copy-out streams instead of striding across the buffer).
+    copying out episodes one ``take`` over contiguous runs of rows (an episode's rows are
+    adjacent in memory: the copy-out streams instead of striding across the buffer).
 
     Args:
         term: The term name (topic without ``batch/``).
@@ -76,11 +69,11 @@ class TopicBuffer:
     def _alloc(self, capacity: int) -> None:
         self.capacity = capacity
         n = capacity * self.num_worlds
-        self.bufs = {name: _lazy((n, *spec.shape), self.dtypes[name])
-                     for name, spec in self.specs.items()}
-        self.bufs["_step"] = _lazy((n,), np.dtype(np.int64))
-        self.bufs["_hook"] = _lazy((n,), np.dtype(np.uint8))
-        self.views = {name: b.numpy() for name, b in self.bufs.items()}
+        # np.zeros maps pages lazily (calloc): only rows actually used become resident
+        self.views = {name: np.zeros((n, *spec.shape), self.dtypes[name])
+                      for name, spec in self.specs.items()}
+        self.views["_step"] = np.zeros(n, np.int64)
+        self.views["_hook"] = np.zeros(n, np.uint8)
 
     def reshape(self, capacity: int, num_worlds: int) -> None:
         """Reallocate for a new capacity or world count; the buffer must be empty."""
@@ -94,14 +87,14 @@ class TopicBuffer:
         """Widen the worlds dimension (a run joined without its ``RunStart``), keeping rows."""
         if num_worlds <= self.num_worlds:
             return
-        old, w, c = self.bufs, self.num_worlds, self.capacity
+        old, w, c = self.views, self.num_worlds, self.capacity
         old_counts = self.counts
         self.num_worlds = num_worlds
         self._alloc(c)
         self.counts = np.zeros(num_worlds, np.int64)
         self.counts[:w] = old_counts
         for name, buf in old.items():
-            self.bufs[name][:w * c] = buf  # world-major: the old worlds are a prefix
+            self.views[name][:w * c] = buf  # world-major: the old worlds are a prefix
 
     def full(self, worlds: np.ndarray) -> bool:
         return bool(len(worlds)) and int(self.counts[worlds].max()) >= self.capacity

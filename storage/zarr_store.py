@@ -148,9 +148,10 @@ class RunWriter:
         names = [*self.meta["fields"][term], "_step", "_hook"]
         return {name: as_array(tgroup[name]).with_config(APPEND_CONFIG) for name in names}
 
-    def _open_term(self, term: str) -> None:
+    def _open_term(self, term: str, arrays: Mapping[str, zarr.Array[Any]] | None = None) -> None:
         rows = int(self.meta["committed"]["rows"].get(term, 0))
-        self._data[term] = {name: Column(arr, rows) for name, arr in self._term_arrays(term).items()}
+        arrays = self._term_arrays(term) if arrays is None else arrays
+        self._data[term] = {name: Column(arr, rows) for name, arr in arrays.items()}
 
     def rows(self, term: str) -> int:
         """Rows written so far to ``term`` (committed or not)."""
@@ -216,13 +217,14 @@ class RunWriter:
             counts = episodes.columns["segment_count"].astype(np.int64)
             starts = n_seg + np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
             cols = {**episodes.columns, "segment_start": starts}
-            for column in [*etab.values(), *stab.values()]:  # an interrupted commit's rows
-                column.rewind(n_ep if column in etab.values() else n_seg)
+            for table, n in ((etab, n_ep), (stab, n_seg)):  # an interrupted commit's rows
+                for column in table.values():
+                    column.rewind(n)
             seg = np.ascontiguousarray(episodes.segments, dtype=np.int64)
             write_columns([(c, np.asarray(cols[col], dtype=c.array.dtype)) for col, c in etab.items()]
                           + [(stab["episode"], np.repeat(np.arange(n_ep, n_ep + len(counts)), counts)),
-                             (stab["topic"], seg[:, 0].copy()), (stab["offset"], seg[:, 1].copy()),
-                             (stab["rows"], seg[:, 2].copy())])
+                             (stab["topic"], seg[:, 0]), (stab["offset"], seg[:, 1]),
+                             (stab["rows"], seg[:, 2])])
             committed["episodes"] = n_ep + len(counts)
             committed["segments"] = n_seg + len(seg)
         if gaps:
@@ -233,7 +235,7 @@ class RunWriter:
             for topic in {g[3] for g in gaps} - set(topics):
                 topics.append(topic)
             rows = np.asarray([(e, r, s, topics.index(t)) for e, r, s, t in gaps], np.int64)
-            write_columns([(c, rows[:, i].copy()) for i, c in enumerate(gtab.values())])
+            write_columns([(c, rows[:, i]) for i, c in enumerate(gtab.values())])
             committed["gaps"] += len(gaps)
         for term in self._data:
             committed["rows"][term] = self.rows(term)
@@ -295,7 +297,7 @@ class RunWriter:
             arrays = self._term_arrays(term)
             reclaimed += max(0, arrays["_step"].shape[0] - n)
             resize_tail(arrays, n)
-            self._open_term(term)
+            self._open_term(term, arrays)
         for name, cols in (("episodes", EPISODE_COLUMNS), ("segments", SEGMENT_COLUMNS),
                            ("gaps", GAP_COLUMNS)):
             if name in self.group:
