@@ -10,7 +10,14 @@ each chunk of a multi-chunk write is also copied into a fresh buffer first. A
   say which of them readers may see;
 - the rows of the last, partial chunk stay in memory (:attr:`Column.tail`), so every write
   covers whole chunks and zarr never reads one back;
-- a whole chunk of the caller's rows is encoded straight from them (a view, no copy).
+- a whole chunk of the caller's rows is encoded straight from them (a view, no copy);
+- where the array's codecs and store support zarr's synchronous protocols
+  (:class:`zarr.abc.codec.SupportsSyncCodec`, :class:`zarr.abc.store.SupportsSyncStore`: local
+  directories and memory stores with the built-in codecs), chunks are encoded and written by
+  a pool of plain threads that hold the GIL only briefly per chunk. zarr's asynchronous write
+  path costs about a millisecond of event-loop work per chunk, all of it holding the GIL that
+  the daemon's receiving thread needs. Other stores (fsspec URLs, sharded arrays) take
+  zarr's asynchronous path.
 
 :meth:`Column.trim` cuts the shape back to the rows written, so a finished run's arrays have
 their exact length for plain zarr readers.
@@ -19,17 +26,100 @@ their exact length for plain zarr readers.
 from __future__ import annotations
 
 import asyncio
+import os
+import threading
 from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
 import zarr
+from zarr.abc.codec import SupportsSyncCodec
+from zarr.abc.store import SupportsDeleteSync, SupportsSetSync
+from zarr.core.buffer import default_buffer_prototype
+from zarr.core.codec_pipeline import BatchedCodecPipeline, fill_value_or_default
+from zarr.core.metadata.v3 import ArrayV3Metadata
 from zarr.core.sync import sync
 
 __all__ = ["Column", "write_columns"]
 
 _CONCURRENCY = 8
-"""Chunk writes in flight at once (each holds at most one chunk of memory)."""
+"""Chunk writes in flight at once on zarr's asynchronous path (each holds one chunk)."""
+
+
+class _ChunkEncoder:
+    """Encodes a whole chunk with the array's own codecs and writes it with the store's
+    synchronous ``set_sync``: what zarr's pipeline does for a complete chunk, without the
+    event loop. Build it with :meth:`of`, which says ``None`` where the array's codecs or
+    store lack the synchronous protocols."""
+
+    __slots__ = ("fill", "meta", "prefix", "proto", "skip_empty", "stages", "store")
+
+    def __init__(self, array: zarr.Array[Any]) -> None:
+        aa = array.async_array
+        self.meta = aa.metadata
+        self.proto = default_buffer_prototype()
+        pipeline = aa.codec_pipeline
+        assert isinstance(pipeline, BatchedCodecPipeline)
+        spec = self.meta.get_chunk_spec((0,) * len(array.shape), aa.config, self.proto)
+        self.fill = fill_value_or_default(spec)
+        self.skip_empty = not aa.config.write_empty_chunks
+        self.stages: list[tuple[Any, Any]] = []
+        codecs: tuple[Any, ...] = (*pipeline.array_array_codecs, pipeline.array_bytes_codec,
+                                   *pipeline.bytes_bytes_codecs)
+        for codec in codecs:
+            self.stages.append((codec, spec))
+            spec = codec.resolve_metadata(spec)
+        self.store: Any = aa.store_path.store
+        self.prefix = f"{aa.store_path.path}/" if aa.store_path.path else ""
+
+    @classmethod
+    def of(cls, array: zarr.Array[Any]) -> _ChunkEncoder | None:
+        aa = array.async_array
+        pipeline = aa.codec_pipeline
+        store = aa.store_path.store
+        if not (isinstance(aa.metadata, ArrayV3Metadata) and array.shards is None
+                and isinstance(pipeline, BatchedCodecPipeline)
+                and isinstance(store, SupportsSetSync) and isinstance(store, SupportsDeleteSync)):
+            return None
+        codecs = (*pipeline.array_array_codecs, pipeline.array_bytes_codec,
+                  *pipeline.bytes_bytes_codecs)
+        if not all(isinstance(c, SupportsSyncCodec) for c in codecs):
+            return None
+        return cls(array)
+
+    def write(self, first: int, block: np.ndarray) -> None:
+        """Encode and store the chunk starting at row ``first`` (``block``: chunk-shaped)."""
+        coords = (first // block.shape[0],) + (0,) * (block.ndim - 1)
+        key = self.prefix + self.meta.encode_chunk_key(coords)
+        rows: Any = block
+        data: Any = self.proto.nd_buffer.from_ndarray_like(rows)
+        if self.skip_empty and data.all_equal(self.fill):
+            self.store.delete_sync(key)
+            return
+        for codec, spec in self.stages:
+            data = codec._encode_sync(data, spec)
+        out = data.as_numpy_array()
+        if np.may_share_memory(out, block):  # uncompressed: don't let a store keep our rows
+            data = self.proto.buffer.from_bytes(out.tobytes())
+        self.store.set_sync(key, data)
+
+
+_pool_lock = threading.Lock()
+_pool: tuple[int, ThreadPoolExecutor] | None = None
+
+
+def _threads() -> ThreadPoolExecutor:
+    """The chunk-writing threads: as many as zarr's ``threading.max_workers`` (the daemon's
+    ``--io-threads``), else the CPU count."""
+    global _pool
+    size = int(zarr.config.get("threading.max_workers") or os.cpu_count() or 2)
+    with _pool_lock:
+        if _pool is None or _pool[0] != size:
+            if _pool is not None:
+                _pool[1].shutdown(wait=False)
+            _pool = (size, ThreadPoolExecutor(size, thread_name_prefix="worldtap-chunks"))
+        return _pool[1]
 
 
 class Column:
@@ -41,13 +131,14 @@ class Column:
             holding the last of them is read back once, here.
     """
 
-    __slots__ = ("array", "chunk", "rows", "tail")
+    __slots__ = ("array", "chunk", "encoder", "rows", "tail")
 
     def __init__(self, array: zarr.Array[Any], rows: int) -> None:
         self.array = array
         self.chunk = int(array.chunks[0])
         self.rows = rows
         self.tail: np.ndarray | None = None
+        self.encoder = _ChunkEncoder.of(array)
         self._read_tail()
 
     def _read_tail(self) -> None:
@@ -116,6 +207,13 @@ def write_columns(items: Sequence[tuple[Column, np.ndarray]]) -> None:
     for col, _, _, n in plans:
         col._reserve(col.rows + n)
 
+    pool = _threads()
+    futures: list[Future[None]] = [pool.submit(col.encoder.write, first, block)
+                                   for col, writes, _, _ in plans if col.encoder is not None
+                                   for first, block in writes]
+    slow = [(col.array, first, block) for col, writes, _, _ in plans if col.encoder is None
+            for first, block in writes]
+
     async def _run() -> None:
         gate = asyncio.Semaphore(_CONCURRENCY)
 
@@ -123,10 +221,15 @@ def write_columns(items: Sequence[tuple[Column, np.ndarray]]) -> None:
             async with gate:
                 await array.async_array.setitem(slice(first, first + len(block)), block)
 
-        await asyncio.gather(*(one(col.array, first, block)
-                               for col, writes, _, _ in plans for first, block in writes))
+        await asyncio.gather(*(one(*write) for write in slow))
 
-    sync(_run())
+    try:
+        if slow:
+            sync(_run())
+    finally:
+        errors = [exc for f in futures if (exc := f.exception()) is not None]  # waits for all
+    if errors:
+        raise errors[0]
     for col, _, tail, n in plans:
         col.rows += n
         col.tail = tail

@@ -89,6 +89,10 @@ class SyncedLocalStore(LocalStore):
         await super().set(key, value)
         await asyncio.to_thread(_fsync_path, self.root / key)
 
+    def set_sync(self, key: str, value: Buffer) -> None:
+        super().set_sync(key, value)
+        _fsync_path(self.root / key)
+
 
 def _fsync_path(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -12,6 +13,7 @@ from zarr.core.buffer import Buffer, BufferPrototype
 from zarr.storage import MemoryStore
 
 from storage._columns import Column, write_columns
+from storage._zarr_io import CHUNK_KEYS, Compression, compressors
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -94,3 +96,96 @@ def test_wrong_rows_are_refused_and_nothing_is_written() -> None:
         write_columns([(col, np.ones((2, 2)))])
     assert col.rows == 3
     np.testing.assert_array_equal(col.array[:3], np.ones((3, 3), np.float32))
+
+
+def _files(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*"))
+            if p.is_file() and p.name != "zarr.json"}
+
+
+@pytest.mark.parametrize("compression", ["lz4", "zstd", "none"])
+def test_the_thread_path_stores_the_bytes_zarrs_own_path_stores(tmp_path: Path,
+                                                               compression: Compression) -> None:
+    """Columns on a local store encode and write chunks on plain threads; the chunk files
+    must be exactly those zarr's asynchronous pipeline writes for the same rows."""
+    rng = np.random.default_rng(3)
+    roots = {path: tmp_path / f"{path}.zarr" for path in ("threads", "zarr")}
+    kinds = {"f": ((5, 3), "float32"), "b": ((6,), "bool"), "i": ((4, 2, 2), "int64")}
+    columns: dict[str, dict[str, Column]] = {}
+    for path, root in roots.items():
+        group = zarr.open_group(zarr.storage.LocalStore(root), mode="w")
+        columns[path] = {}
+        for name, ((chunk, *shape), dtype) in kinds.items():
+            col = Column(group.create_array(name, shape=(0, *shape), chunks=(chunk, *shape),
+                                            dtype=dtype, compressors=compressors(compression)), 0)
+            assert col.encoder is not None  # a local store and built-in codecs
+            if path == "zarr":
+                col.encoder = None
+            columns[path][name] = col
+    for _ in range(12):
+        n = int(rng.integers(0, 17))
+        batch = {name: (rng.standard_normal((n, *shape)) > 0 if dtype == "bool"
+                        else rng.standard_normal((n, *shape)) * 100).astype(dtype)
+                 for name, ((_, *shape), dtype) in kinds.items()}
+        for path in roots:
+            write_columns([(columns[path][name], values) for name, values in batch.items()])
+    written = {path: _files(root) for path, root in roots.items()}
+    assert written["threads"] == written["zarr"]
+    assert len(written["zarr"]) > 10
+
+
+def test_uncompressed_chunks_in_a_memory_store_do_not_alias_the_callers_rows() -> None:
+    rows = np.arange(24, dtype=np.float32).reshape(8, 3)
+    group = zarr.open_group(MemoryStore(), mode="w")
+    col = Column(group.create_array("a", shape=(0, 3), chunks=(4, 3), dtype="float32",
+                                    compressors=None), 0)
+    assert col.encoder is not None
+    write_columns([(col, rows)])
+    rows[:] = -1  # the caller reuses its buffer
+    np.testing.assert_array_equal(col.array[:8], np.arange(24, dtype=np.float32).reshape(8, 3))
+
+
+def test_empty_chunks_are_skipped_where_the_array_says_so() -> None:
+    store = MemoryStore()
+    group = zarr.open_group(store, mode="w")
+    array = group.create_array("a", shape=(0,), chunks=(4,), dtype="int64", fill_value=0,
+                               chunk_key_encoding=CHUNK_KEYS).with_config({"write_empty_chunks": False})
+    col = Column(array, 0)
+    write_columns([(col, np.r_[np.zeros(4, np.int64), np.arange(1, 5)])])
+    keys = sorted(k for k in store._store_dict if not k.endswith("zarr.json"))
+    assert keys == ["a/c.1"]
+    np.testing.assert_array_equal(col.array[:8], [0, 0, 0, 0, 1, 2, 3, 4])
+
+
+class FailingStore(zarr.storage.LocalStore):
+    """A local store whose chunk writes fail after ``allowed`` of them."""
+
+    allowed = 1 << 30
+
+    def set_sync(self, key: str, value: Buffer) -> None:
+        if "/c" in key:
+            type(self).allowed -= 1
+            if type(self).allowed < 0:
+                raise OSError(28, "No space left on device")
+        super().set_sync(key, value)
+
+
+def test_a_failed_chunk_write_raises_and_the_rows_do_not_advance(tmp_path: Path) -> None:
+    col = Column(_array(FailingStore(tmp_path / "s.zarr"), "a", 4), 0)
+    write_columns([(col, np.ones((4, 3), np.float32))])
+    FailingStore.allowed = 2
+    with pytest.raises(OSError, match="No space left"):
+        write_columns([(col, np.full((20, 3), 5, np.float32))])
+    assert col.rows == 4
+    FailingStore.allowed = 1 << 30
+    write_columns([(col, np.full((2, 3), 7, np.float32))])  # the failed rows are overwritten
+    np.testing.assert_array_equal(col.array[:6], np.r_[np.ones((4, 3)), np.full((2, 3), 7)])
+
+
+def test_stores_without_synchronous_writes_take_zarrs_path() -> None:
+    pytest.importorskip("fsspec")
+    store = zarr.storage.FsspecStore.from_url("memory://columns-fallback")
+    col = Column(_array(store, "a", 4), 0)
+    assert col.encoder is None
+    write_columns([(col, np.arange(30, dtype=np.float32).reshape(10, 3))])
+    np.testing.assert_array_equal(col.array[:10], np.arange(30, dtype=np.float32).reshape(10, 3))
