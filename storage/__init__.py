@@ -11,7 +11,7 @@ from .errors import (
     StoreFormatError,
     StoreLockedError,
 )
-from .lock import StoreLock
+from .lock import StoreLease, StoreLock
 from .reader import RunStore, Table
 from .run_state import ExportMode, RejectedMessage
 from .zarr_store import EpisodeRows, RunStoreWriter, RunWriter
@@ -29,6 +29,7 @@ __all__ = [
     "StorageError",
     "StoreDaemon",
     "StoreFormatError",
+    "StoreLease",
     "StoreLock",
     "StoreLockedError",
     "Table",

@@ -22,11 +22,11 @@ from typing import Any
 
 from .daemon import StoreDaemon
 from .errors import StorageError
-from .lock import StoreLock
+from .lock import StoreLease, StoreLock
 from .reader import RunStore
 from .status import StatusReporter, format_status
 
-__all__ = ["build_parser", "main", "parse_size"]
+__all__ = ["build_parser", "main", "parse_size", "store_locks"]
 
 _log = logging.getLogger("worldtap.storage")
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6,
@@ -81,6 +81,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "its public key must be on the publishers' allow-list")
     p.add_argument("--curve-server", default=None, metavar="FILE",
                    help="CURVE: the publishers' public key (.key file); needs --curve-keys")
+    p.add_argument("--lease-ttl", type=float, default=30.0, metavar="SECONDS",
+                   help="stores that are not local directories: seconds the daemon's lease on "
+                        "the store lasts unrenewed (a resume after a crash waits this long)")
     p.add_argument("--exit-after-runs", type=int, default=None, metavar="N",
                    help="exit once N runs have ended")
     p.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
@@ -113,6 +116,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if (args.curve_keys is None) != (args.curve_server is None):
         parser.error("--curve-keys and --curve-server go together")
+    if not args.lease_ttl > 0:
+        parser.error(f"--lease-ttl: expected a positive number of seconds, got {args.lease_ttl}")
     if args.io_threads < 1:
         parser.error(f"--io-threads: expected a positive number of threads, got {args.io_threads}")
     logging.basicConfig(level=args.log_level, stream=sys.stderr,
@@ -151,8 +156,10 @@ def _serve(args: argparse.Namespace, stop: threading.Event) -> int:
     sys.setswitchinterval(0.001)
 
     with ExitStack() as stack:
-        for path in _lock_targets(args):  # before opening: resuming modifies the store
-            stack.enter_context(StoreLock(path))
+        locks = store_locks(args)
+        for lock in locks:  # before opening: resuming modifies the store
+            stack.enter_context(lock)
+        leases = [lock for lock in locks if isinstance(lock, StoreLease)]
         daemon = StoreDaemon(args.store, export=args.export, failed_store=args.failed_store,
                              compression=args.compression, chunk_bytes=args.chunk_size,
                              memory_budget=args.memory_budget, fsync=args.fsync,
@@ -174,6 +181,12 @@ def _serve(args: argparse.Namespace, stop: threading.Event) -> int:
               f"{'bind' if bind else 'connect'}={','.join(endpoints)}", file=sys.stderr,
               flush=True)
         while not stop.is_set():
+            if any(lease.lost.is_set() for lease in leases):
+                # Another daemon holds the store now: stop at once, as a crash would (the
+                # commit protocol keeps what was committed), never writing over its commits.
+                print("worldtap-store: lost the store's lease to another daemon; stopping "
+                      "without a final commit", file=sys.stderr, flush=True)
+                os._exit(3)
             item = sub.recv(timeout=0.1)
             if item is None:
                 daemon.tick()
@@ -207,9 +220,9 @@ def _curve(args: argparse.Namespace) -> Any:
     return CurveClient(load_keypair(args.curve_keys), load_public_key(args.curve_server))
 
 
-def _lock_targets(args: argparse.Namespace) -> list[Any]:
-    from pathlib import Path
-
+def store_locks(args: argparse.Namespace) -> list[StoreLock | StoreLease]:
+    """The locks the daemon takes before opening its stores: a ``flock`` per local directory,
+    a lease kept in the store for any other URL (see :mod:`storage.lock`)."""
     from ._zarr_io import local_path
     from .daemon import failed_store_location
 
@@ -218,4 +231,9 @@ def _lock_targets(args: argparse.Namespace) -> list[Any]:
     stores = [args.store]
     if args.export == "split":
         stores.append(args.failed_store or failed_store_location(args.store))
-    return [p for s in stores if (p := local_path(s)) is not None and isinstance(p, Path)]
+    locks: list[StoreLock | StoreLease] = []
+    for store in stores:
+        path = local_path(store)
+        locks.append(StoreLock(path) if path is not None else
+                     StoreLease(str(store), ttl=args.lease_ttl))
+    return locks

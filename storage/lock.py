@@ -1,21 +1,36 @@
-"""One writer per store: an advisory ``flock`` on a file next to a local store.
+"""One writer per store.
 
-The lock is held by the open file description, so the kernel releases it when the daemon
-exits for any reason (including ``kill -9``); a stale lock file left behind never blocks a
-resume. Stores that are not local directories (fsspec URLs) are not locked: running two
-daemons on the same remote store is the operator's responsibility.
+- Local directories: :class:`StoreLock`, an advisory ``flock`` on a file next to the store.
+  The lock is held by the open file description, so the kernel releases it when the daemon
+  exits for any reason (including ``kill -9``); a stale lock file never blocks a resume.
+- Other stores (fsspec URLs): :class:`StoreLease`, a lease object next to the store
+  (``<url>.lock``: owner, host, pid and an expiry time), renewed by a background thread. A
+  daemon that crashed holds its lease until it expires (``ttl``, 30 s by default), so a resume
+  right after a crash waits that long or is told to. Object stores have no atomic
+  create-if-absent here, so two daemons starting within the same moment could both read "no
+  lease"; each re-reads its lease after writing it and the later writer wins, and a daemon
+  that finds another's lease while renewing stops writing (see :attr:`StoreLease.lost`).
 """
 
 from __future__ import annotations
 
 import fcntl
+import json
+import logging
 import os
+import socket
+import threading
+import time
+import uuid
 from pathlib import Path
 from types import TracebackType
+from typing import Any
 
 from .errors import StoreLockedError
 
-__all__ = ["StoreLock", "lock_path"]
+__all__ = ["StoreLease", "StoreLock", "lock_path"]
+
+_log = logging.getLogger("worldtap.storage")
 
 
 def lock_path(store: Path) -> Path:
@@ -72,6 +87,103 @@ class StoreLock:
             self._fd = None
 
     def __enter__(self) -> StoreLock:
+        return self.acquire()
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.release()
+
+
+class StoreLease:
+    """An exclusive lease on a store given by an fsspec URL (see the module notes).
+
+    Args:
+        url: The store's URL (``s3://bucket/runs.zarr``); the lease is ``<url>.lock``.
+        ttl: Seconds a lease lasts without renewal; it is renewed every ``ttl / 3``.
+
+    Raises:
+        StoreLockedError: From ``acquire()``, when another daemon's lease has not expired.
+    """
+
+    def __init__(self, url: str, *, ttl: float = 30.0) -> None:
+        import fsspec
+
+        if ttl <= 0:
+            raise ValueError(f"ttl: expected a positive number of seconds, got {ttl!r}")
+        self.name, self.ttl = url, ttl
+        self.url = url.rstrip("/") + ".lock"
+        self.fs, self.path = fsspec.core.url_to_fs(self.url)
+        self.token = uuid.uuid4().hex
+        self.lost = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    @property
+    def held(self) -> bool:
+        return self._thread is not None and not self.lost.is_set()
+
+    def _read(self) -> dict[str, Any] | None:
+        try:
+            lease = json.loads(self.fs.cat_file(self.path))
+        except FileNotFoundError:
+            return None
+        except ValueError:
+            return None  # a torn or foreign write: no valid lease
+        return lease if isinstance(lease, dict) else None
+
+    def _write(self) -> None:
+        lease = {"token": self.token, "host": socket.gethostname(), "pid": os.getpid(),
+                 "expires": time.time() + self.ttl}
+        self.fs.pipe_file(self.path, json.dumps(lease).encode())
+
+    def _check(self, lease: dict[str, Any] | None, now: float) -> None:
+        if lease is None or lease.get("token") == self.token:
+            return
+        expires = float(lease.get("expires", 0))
+        if expires > now:
+            raise StoreLockedError(
+                f"store {self.name!r} is leased by another storage daemon (host "
+                f"{lease.get('host')!r}, pid {lease.get('pid')}) for {expires - now:.0f} s more "
+                f"(lease {self.url!r}); stop it, or if it crashed wait for the lease to expire")
+
+    def acquire(self) -> StoreLease:
+        """Take the lease (or raise) and start renewing it. Idempotent."""
+        if self._thread is not None:
+            return self
+        self._check(self._read(), time.time())
+        self._write()
+        self._check(self._read(), time.time())  # a daemon that wrote after us won
+        self._thread = threading.Thread(target=self._renew, name="worldtap-lease", daemon=True)
+        self._thread.start()
+        return self
+
+    def _renew(self) -> None:
+        while not self._stop.wait(self.ttl / 3):
+            try:
+                lease = self._read()
+                if lease is not None and lease.get("token") != self.token:
+                    _log.error("store %r: another daemon (host %r, pid %s) took the lease; "
+                               "stop writing", self.name, lease.get("host"), lease.get("pid"))
+                    self.lost.set()
+                    return
+                self._write()
+            except Exception as exc:  # a failed renewal is retried; expiry is what protects
+                _log.warning("store %r: renewing the lease failed: %s", self.name, exc)
+
+    def release(self) -> None:
+        """Stop renewing and remove the lease if it is still ours. Idempotent."""
+        if self._thread is None:
+            return
+        self._stop.set()
+        self._thread.join()
+        self._thread = None
+        if not self.lost.is_set():
+            lease = self._read()
+            if lease is not None and lease.get("token") == self.token:
+                self.fs.rm_file(self.path)
+
+    def __enter__(self) -> StoreLease:
         return self.acquire()
 
     def __exit__(

@@ -32,7 +32,7 @@ EXPORTS: dict[str, set[str]] = {
     "storage": {
         "DaemonStatistics", "EpisodeNotFoundError", "EpisodeRows", "ExportMode", "RejectedMessage",
         "RunNotFoundError", "RunStore", "RunStoreWriter", "RunWriter", "StorageError",
-        "StoreDaemon", "StoreFormatError", "StoreLock", "StoreLockedError", "Table",
+        "StoreDaemon", "StoreFormatError", "StoreLease", "StoreLock", "StoreLockedError", "Table",
         "failed_store_location",
     },
 }

@@ -1,0 +1,104 @@
+"""The lease that keeps stores that are not local directories to one daemon at a time."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from storage import RunStore, RunStoreWriter, StoreLease, StoreLock, StoreLockedError
+from storage.cli import build_parser, store_locks
+
+pytestmark = pytest.mark.timeout(60)
+pytest.importorskip("fsspec")
+
+
+def _url() -> str:
+    return f"memory://lease-{uuid.uuid4().hex}"
+
+
+def _wait(condition: object, seconds: float = 20.0) -> None:
+    deadline = time.monotonic() + seconds
+    while not condition():  # type: ignore[operator]
+        assert time.monotonic() < deadline, "condition not reached"
+        time.sleep(0.05)
+
+
+def test_a_second_daemon_is_refused_until_the_first_releases() -> None:
+    url = _url()
+    first = StoreLease(url)
+    with first:
+        assert first.held
+        with pytest.raises(StoreLockedError, match=r"is leased by another storage daemon \(host "
+                                                   r"'[^']+', pid \d+\) for \d+ s more"):
+            StoreLease(url).acquire()
+    with StoreLease(url) as second:  # released: the key is gone
+        assert second.held
+
+
+def test_a_crashed_holders_lease_expires_and_a_live_one_is_renewed() -> None:
+    url = _url()
+    live = StoreLease(url, ttl=2.0).acquire()
+    try:
+        time.sleep(3.0)  # longer than the ttl: only renewal keeps it
+        with pytest.raises(StoreLockedError):
+            StoreLease(url).acquire()
+    finally:
+        live.release()
+    crashed = StoreLease(url, ttl=0.5).acquire()
+    crashed._stop.set()  # renewal stops as in a crash; the key stays in the store
+    assert crashed._thread is not None
+    crashed._thread.join()
+    with pytest.raises(StoreLockedError):
+        StoreLease(url).acquire()
+    resumed = StoreLease(url)
+    _wait(lambda: _try(resumed))
+    assert resumed.held
+    resumed.release()
+
+
+def _try(lease: StoreLease) -> bool:
+    try:
+        lease.acquire()
+    except StoreLockedError:
+        return False
+    return True
+
+
+def test_a_holder_that_finds_another_lease_knows_it_lost() -> None:
+    url = _url()
+    holder = StoreLease(url, ttl=0.6).acquire()
+    intruder = StoreLease(url)
+    intruder._write()  # e.g. an operator forced a second daemon in after a long stall
+    _wait(holder.lost.is_set)
+    assert not holder.held
+    holder.release()  # never deletes the intruder's lease
+    assert intruder._read() is not None
+
+
+def test_a_run_store_opens_and_reads_beside_its_lease() -> None:
+    url = _url()
+    with StoreLease(url):
+        writer = RunStoreWriter(url)
+        run = writer.run("r", num_worlds=2)
+        run.commit()
+        assert RunStore(url).runs() == ["r"]
+        writer.close()
+    assert RunStore(url).runs() == ["r"]
+    assert np.asarray(RunStore(url).episodes("r")["world"]).size == 0
+
+
+def test_the_daemon_locks_directories_and_leases_urls(tmp_path: Path) -> None:
+    url = _url()
+    args = build_parser().parse_args([url, "--export", "split", "--lease-ttl", "5"])
+    locks = store_locks(args)
+    assert [type(lock) for lock in locks] == [StoreLease, StoreLease]
+    assert isinstance(locks[1], StoreLease)
+    assert locks[1].url == f"{url}_failed.lock"
+    assert locks[0].ttl == 5
+    local = store_locks(build_parser().parse_args([str(tmp_path / "runs.zarr")]))
+    assert [type(lock) for lock in local] == [StoreLock]
+    assert store_locks(build_parser().parse_args([url, "--export", "none"])) == []
