@@ -122,6 +122,15 @@ def _threads() -> ThreadPoolExecutor:
         return _pool[1]
 
 
+def _forget_threads() -> None:
+    """In a forked child: the parent's threads (and the lock's holder) do not exist there."""
+    global _pool, _pool_lock
+    _pool, _pool_lock = None, threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_threads)
+
+
 class Column:
     """One zarr array written at its end (axis 0) in whole chunks.
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import multiprocessing
+import os
 from pathlib import Path
 from typing import Any
 
@@ -189,3 +191,25 @@ def test_stores_without_synchronous_writes_take_zarrs_path() -> None:
     assert col.encoder is None
     write_columns([(col, np.arange(30, dtype=np.float32).reshape(10, 3))])
     np.testing.assert_array_equal(col.array[:10], np.arange(30, dtype=np.float32).reshape(10, 3))
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_a_forked_child_writes_with_threads_of_its_own(tmp_path: Path) -> None:
+    col = Column(_array(zarr.storage.LocalStore(tmp_path / "parent.zarr"), "a", 4), 0)
+    write_columns([(col, np.ones((8, 3), np.float32))])  # the parent's threads exist now
+    ctx = multiprocessing.get_context("fork")
+    child = ctx.Process(target=_write_in_child, args=(str(tmp_path / "child.zarr"),))
+    child.start()
+    child.join(30)
+    if child.is_alive():
+        child.kill()
+        child.join()
+        pytest.fail("the forked child hung writing chunks")
+    assert child.exitcode == 0
+    got = zarr.open_array(zarr.storage.LocalStore(tmp_path / "child.zarr"), path="a", mode="r")
+    np.testing.assert_array_equal(got[:8], np.full((8, 3), 2, np.float32))
+
+
+def _write_in_child(path: str) -> None:
+    col = Column(_array(zarr.storage.LocalStore(path), "a", 4), 0)
+    write_columns([(col, np.full((8, 3), 2, np.float32))])
