@@ -80,6 +80,8 @@ DTYPES: Final[Mapping[str, torch.dtype]] = MappingProxyType({
 })
 """The dtype whitelist: wire name -> torch dtype."""
 _NAMES: Final = {dtype: name for name, dtype in DTYPES.items()}
+_NUMPY: Final = {name: np.dtype(name) for name in DTYPES if name != "bfloat16"}
+"""Wire name -> numpy dtype, for every whitelisted dtype numpy has (not bfloat16)."""
 
 REASONS: Final = frozenset({
     "encode", "missing frames", "extra frames", "too large", "topic", "header size", "header",
@@ -354,7 +356,7 @@ def _specs(topic: str, head: dict[str, Any], key: str) -> list[tuple[str, str, t
 def _tensor(topic: str, name: str, dtype_name: str, shape: tuple[int, ...], frame: Any,
             view: memoryview) -> torch.Tensor:
     dtype = DTYPES[dtype_name]
-    itemsize = torch.empty((), dtype=dtype).element_size()
+    itemsize = dtype.itemsize
     expected = math.prod(shape) * itemsize
     if expected != view.nbytes:
         raise _fail("shape", f"topic {topic!r} tensor {name!r}: shape {list(shape)} of {dtype_name} "
@@ -364,7 +366,15 @@ def _tensor(topic: str, name: str, dtype_name: str, shape: tuple[int, ...], fram
     if dtype == torch.bool and int(np.frombuffer(view, dtype=np.uint8).max()) > 1:
         raise _fail("value", f"topic {topic!r} tensor {name!r}: bool frame holds bytes other than 0 and 1")
     source: Any = frame if not view.readonly else bytearray(view)
+    np_dtype = _NUMPY.get(dtype_name)
+    if np_dtype is not None:
+        # One torch call per tensor: each releases the GIL, and taking it back from the
+        # daemon's writer threads can cost up to a switch interval.
+        array = np.frombuffer(source, dtype=np_dtype).reshape(shape)
+        if array.ctypes.data % itemsize:  # tiny frames may sit unaligned inside the message
+            array = array.copy()
+        return torch.from_numpy(array)
     flat = torch.frombuffer(source, dtype=dtype)
-    if flat.data_ptr() % itemsize:  # tiny frames may sit unaligned inside the ZeroMQ message
+    if flat.data_ptr() % itemsize:
         flat = flat.clone()
     return flat.view(shape)

@@ -13,7 +13,6 @@ from collections.abc import Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
-import torch
 
 from broker import FieldSpec
 
@@ -99,13 +98,13 @@ class TopicBuffer:
     def full(self, worlds: np.ndarray) -> bool:
         return bool(len(worlds)) and int(self.counts[worlds].max()) >= self.capacity
 
-    def add(self, worlds: np.ndarray, fields: Mapping[str, torch.Tensor], step: int,
+    def add(self, worlds: np.ndarray, fields: Mapping[str, np.ndarray], step: int,
             hook: str) -> None:
         """Copy one batch's rows into the worlds' slots (the caller checked ``full``)."""
         rows = self.counts[worlds]
         idx = worlds * self.capacity + rows
         for name, values in fields.items():  # numpy's fancy setitem: far faster than index_copy_
-            self.views[name][idx] = values.numpy()
+            self.views[name][idx] = values
         self.views["_step"][idx] = step
         self.views["_hook"][idx] = HOOKS.index(hook)
         self.counts[worlds] = rows + 1
@@ -161,18 +160,18 @@ class DenseTopicBuffer(TopicBuffer):
         busy = self.counts > 0
         return bool(busy.any()) and self.t - int(self.first[busy].min()) >= self.capacity
 
-    def add(self, worlds: np.ndarray, fields: Mapping[str, torch.Tensor], step: int,
+    def add(self, worlds: np.ndarray, fields: Mapping[str, np.ndarray], step: int,
             hook: str) -> None:
         """Copy one batch into the next slot (the caller checked ``full``)."""
         n, slot = self.num_worlds, self.t % self.capacity
         rows = slice(slot * n, (slot + 1) * n)
         if len(worlds) == n and np.array_equal(worlds, self._all):  # every world: plain copies
             for name, values in fields.items():
-                self.views[name][rows] = values.numpy()
+                self.views[name][rows] = values
             self.present[slot] = True
         else:
             for name, values in fields.items():
-                self.views[name][rows][worlds] = values.numpy()
+                self.views[name][rows][worlds] = values
             self.present[slot] = False
             self.present[slot, worlds] = True
         self.views["_step"][rows] = step

@@ -35,8 +35,8 @@ class RejectedMessage(StorageError, ValueError):
 def _np(t: torch.Tensor, what: str) -> np.ndarray:
     if not isinstance(t, torch.Tensor) or t.device.type != "cpu":
         raise RejectedMessage(f"{what}: expected a CPU tensor, got {t!r:.60}")
-    try:
-        return t.detach().numpy()
+    try:  # (detach() is another torch call, each of which gives up the GIL: only if needed)
+        return t.detach().numpy() if t.requires_grad else t.numpy()
     except TypeError as exc:  # e.g. bfloat16 has no numpy dtype
         raise RejectedMessage(f"{what}: dtype {t.dtype} cannot be stored") from exc
 
@@ -97,13 +97,14 @@ class RunAssembler:
         worlds = self._worlds(msg.worlds, msg.episodes, msg.topic)
         episodes = _np(msg.episodes, f"topic {msg.topic!r} episodes").astype(np.int64)
         specs = {}
+        fields: dict[str, np.ndarray] = {}
         for name, t in msg.fields.items():
             values = _np(t, f"topic {msg.topic!r} field {name!r}")  # a view: checks the dtype
             if values.shape[:1] != (len(worlds),):
                 raise RejectedMessage(f"topic {msg.topic!r} field {name!r}: expected a leading "
                                       f"worlds dimension of {len(worlds)}, got {values.shape}")
             specs[name] = FieldSpec(str(values.dtype), values.shape[1:])
-        fields: dict[str, torch.Tensor] = dict(msg.fields)
+            fields[name] = values
         buf = self._topic(msg.term, specs, dense=len(worlds) == self.num_worlds)
         stale = self.episode[worlds] != episodes
         if stale.any():  # we missed this world's episode boundary: its start is unseen
@@ -113,8 +114,7 @@ class RunAssembler:
         keep = self.clean[worlds]
         if not keep.all():
             worlds = worlds[keep]
-            mask = torch.from_numpy(keep)
-            fields = {n: v[mask] for n, v in fields.items()}
+            fields = {n: v[keep] for n, v in fields.items()}
         if buf.full(worlds):
             self._fragments(buf)
         buf.add(worlds, fields, msg.step, msg.hook)

@@ -303,3 +303,21 @@ def test_mutated_headers_never_escape_as_other_errors(data: st.DataObject) -> No
         assert reason in REASONS
     else:
         assert isinstance(out, Batch)
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.float32, torch.bfloat16, torch.bool])
+@pytest.mark.parametrize("offset", [0, 1, 3])
+def test_frames_at_any_alignment_decode_to_aligned_tensors(dtype: torch.dtype, offset: int) -> None:
+    """Small ZeroMQ messages live inside the message struct, at any byte offset."""
+    from broker.wire import _NAMES, _tensor
+
+    want = (torch.arange(6) % 2).to(dtype).reshape(2, 3)
+    raw = want.view(torch.uint8).numpy().tobytes() if dtype != torch.bool else \
+        want.numpy().tobytes()
+    buf = bytearray(offset) + bytearray(raw)
+    view = memoryview(buf)[offset:]
+    got = _tensor("batch/t", "x", _NAMES[dtype], (2, 3), view, view)
+    assert got.dtype == dtype
+    assert got.shape == (2, 3)
+    assert got.data_ptr() % dtype.itemsize == 0
+    assert torch.equal(got, want)

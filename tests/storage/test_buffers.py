@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import torch
 
 from broker import FieldSpec
 from storage.assembler import DenseTopicBuffer, TopicBuffer
@@ -48,8 +47,7 @@ def test_buffers_hold_what_a_per_world_list_holds(kind: type[TopicBuffer], seed:
             for w in busy.tolist():
                 model[w] = []
         x = rng.standard_normal((len(worlds), 3)).astype(np.float32)
-        buf.add(worlds, {"x": torch.from_numpy(x), "flag": torch.from_numpy(x[:, 0] > 0)}, step,
-                "post_step")
+        buf.add(worlds, {"x": x, "flag": x[:, 0] > 0}, step, "post_step")
         for w, v in zip(worlds.tolist(), x[:, 0].tolist(), strict=True):
             model[w].append((v, step))
         for w in range(worlds_n):
@@ -66,7 +64,7 @@ def test_buffers_hold_what_a_per_world_list_holds(kind: type[TopicBuffer], seed:
 def test_dense_buffer_batch_of_every_world_is_one_slot() -> None:
     buf = DenseTopicBuffer("t", SPECS, 4, 3)
     for step in range(3):
-        x = torch.full((4, 3), float(step))
+        x = np.full((4, 3), float(step), np.float32)
         buf.add(np.arange(4), {"x": x, "flag": x[:, 0] > 0}, step, "post_step")
     assert buf.full(np.arange(4))
     np.testing.assert_array_equal(buf.views["x"][:, 0].reshape(3, 4), [[0] * 4, [1] * 4, [2] * 4])

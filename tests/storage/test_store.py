@@ -266,3 +266,35 @@ def test_unreferenced_chunks_are_deleted_and_referenced_ones_kept(tmp_path: Path
     reader = RunStore(tmp_path / "s.zarr")
     np.testing.assert_array_equal(reader.episode("r", 0, 0)["t/v"], rows[0:3])
     np.testing.assert_array_equal(reader.episode("r", 0, 1)["t/v"], rows[13:15])
+
+
+def test_terms_that_require_grad_are_stored_in_process(broker: Broker) -> None:
+    """In-process delivery hands the daemon the term's own tensors, autograd and all."""
+    from capture.recorder import Recorder
+    from capture.terms import FunctionTerm
+
+    store = zarr.storage.MemoryStore()
+    daemon = StoreDaemon(store, commit_interval=0.0)
+    broker.subscribe("", daemon)
+    rec = Recorder(4, broker=broker, run="grad")
+    weight = torch.ones(3, requires_grad=True)
+    published: list[torch.Tensor] = []
+
+    def policy() -> dict[str, torch.Tensor]:
+        action = torch.randn(4, 3) * weight  # a policy output: part of a graph
+        published.append(action.detach().clone())
+        return {"action": action}
+
+    rec.add_term("policy", FunctionTerm(post_step=policy))
+    rec.start()
+    for _ in range(3):
+        rec.record_post_step()
+    rec.record_pre_reset(torch.arange(4), success=torch.ones(4, dtype=torch.bool),
+                         truncated=torch.zeros(4, dtype=torch.bool))
+    rec.close()
+    daemon.close()
+    reader = RunStore(store)
+    assert len(reader.episodes("grad")) == 4
+    for w in range(4):
+        got = reader.episode("grad", w, 0)["policy/action"]
+        np.testing.assert_array_equal(got, torch.stack([p[w] for p in published]).numpy())
