@@ -89,6 +89,10 @@ class SyncedLocalStore(LocalStore):
         await super().set(key, value)
         await asyncio.to_thread(_fsync_path, self.root / key)
 
+    async def set_if_not_exists(self, key: str, value: Buffer) -> None:  # new groups' metadata
+        await super().set_if_not_exists(key, value)
+        await asyncio.to_thread(_fsync_path, self.root / key)
+
     def set_sync(self, key: str, value: Buffer) -> None:
         super().set_sync(key, value)
         _fsync_path(self.root / key)

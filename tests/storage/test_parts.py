@@ -11,7 +11,7 @@ import zarr
 from storage_sim import Sim
 
 from broker import Broker
-from storage import RunStore, StoreDaemon, StoreLock, StoreLockedError, failed_store_location
+from storage import RunStore, StoreDaemon, StoreLock, StoreLockedError, _zarr_io, failed_store_location
 from storage._zarr_io import SyncedLocalStore, decode_name, encode_name, open_store
 from storage.cli import parse_size
 from storage.status import StatusReporter
@@ -56,7 +56,16 @@ def test_names_and_locations(tmp_path: Path) -> None:
     assert isinstance(open_store("memory://x"), zarr.abc.store.Store)
 
 
-def test_fsync_store_round_trip(broker: Broker, tmp_path: Path) -> None:
+def test_fsync_store_round_trip(broker: Broker, tmp_path: Path,
+                                monkeypatch: pytest.MonkeyPatch) -> None:
+    synced: set[Path] = set()
+    real = _zarr_io._fsync_path
+
+    def spy(path: Path) -> None:
+        synced.add(Path(path))
+        real(path)
+
+    monkeypatch.setattr(_zarr_io, "_fsync_path", spy)
     daemon = StoreDaemon(tmp_path / "runs.zarr", fsync=True)
     broker.subscribe("", daemon)
     sim = Sim(broker, 3, reset_p=0.2)
@@ -64,6 +73,10 @@ def test_fsync_store_round_trip(broker: Broker, tmp_path: Path) -> None:
     sim.close()
     daemon.close()
     assert len(RunStore(tmp_path / "runs.zarr").episodes("run-a")) == len(sim.outcome) > 0
+    files = {p for p in (tmp_path / "runs.zarr").rglob("*") if p.is_file()}
+    chunks = {p for p in files if p.name != "zarr.json"}
+    assert chunks, "no chunk files written"
+    assert files <= synced  # every file, chunks and metadata, went through fsync
 
 
 def test_status_log_lines(broker: Broker, caplog: pytest.LogCaptureFixture) -> None:
