@@ -271,7 +271,8 @@ class ZmqPublisher:
                 if self._awaiting_acks() and self._error is None:
                     self._error = SendTimeoutError(
                         f"{self.name}: close(): a subscriber of {', '.join(self.endpoints)} did not confirm "
-                        f"the end of run(s) {sorted(self._unacked)} within the timeout")
+                        f"the end of run(s) {sorted(self._unacked)} within the timeout; it is too "
+                        f"slow or gone")
                 linger = max(self._close_deadline - time.monotonic(), 0.0)
             sock.close(linger=int(linger * 1000))
             self._done = True
