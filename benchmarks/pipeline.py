@@ -188,7 +188,7 @@ def _zarr_ceiling(worlds: int, seconds: float, root: Path, args: Any, *, path: s
                                               chunk_key_encoding=CHUNK_KEYS,
                                               ).with_config(APPEND_CONFIG)  # as the daemon's
         pairs = [(arrays[name], value) for name, value in block.items()]
-        columns = [(Column(array, 0), value) for array, value in pairs]
+        columns = [(Column(array, 0), value) for array, value in pairs] if path == "writer" else []
         nbytes = sum(v.nbytes for v in block.values())
         total, t0 = 0, time.monotonic()
         while time.monotonic() - t0 < seconds:  # every field at once, as concurrent as it gets

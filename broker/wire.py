@@ -80,8 +80,8 @@ DTYPES: Final[Mapping[str, torch.dtype]] = MappingProxyType({
 })
 """The dtype whitelist: wire name -> torch dtype."""
 _NAMES: Final = {dtype: name for name, dtype in DTYPES.items()}
-_NUMPY: Final = {name: np.dtype(name) for name in DTYPES if name != "bfloat16"}
-"""Wire name -> numpy dtype, for every whitelisted dtype numpy has (not bfloat16)."""
+_NUMPY: Final = {name: np.dtype(name if name != "bfloat16" else "int16") for name in DTYPES}
+"""Wire name -> numpy dtype to view a frame as (bfloat16, which numpy lacks: its bits)."""
 
 REASONS: Final = frozenset({
     "encode", "missing frames", "extra frames", "too large", "topic", "header size", "header",
@@ -366,15 +366,10 @@ def _tensor(topic: str, name: str, dtype_name: str, shape: tuple[int, ...], fram
     if dtype == torch.bool and int(np.frombuffer(view, dtype=np.uint8).max()) > 1:
         raise _fail("value", f"topic {topic!r} tensor {name!r}: bool frame holds bytes other than 0 and 1")
     source: Any = frame if not view.readonly else bytearray(view)
-    np_dtype = _NUMPY.get(dtype_name)
-    if np_dtype is not None:
-        # One torch call per tensor: each releases the GIL, and taking it back from the
-        # daemon's writer threads can cost up to a switch interval.
-        array = np.frombuffer(source, dtype=np_dtype).reshape(shape)
-        if array.ctypes.data % itemsize:  # tiny frames may sit unaligned inside the message
-            array = array.copy()
-        return torch.from_numpy(array)
-    flat = torch.frombuffer(source, dtype=dtype)
-    if flat.data_ptr() % itemsize:
-        flat = flat.clone()
-    return flat.view(shape)
+    # One torch call per tensor (two for bfloat16): each releases the GIL, and taking it back
+    # from the daemon's writer threads can cost up to a switch interval.
+    array = np.frombuffer(source, dtype=_NUMPY[dtype_name]).reshape(shape)
+    if array.ctypes.data % itemsize:  # tiny frames may sit unaligned inside the message
+        array = array.copy()
+    tensor = torch.from_numpy(array)
+    return tensor if tensor.dtype == dtype else tensor.view(dtype)

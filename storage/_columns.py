@@ -55,18 +55,14 @@ class _ChunkEncoder:
 
     __slots__ = ("fill", "meta", "prefix", "proto", "skip_empty", "stages", "store")
 
-    def __init__(self, array: zarr.Array[Any]) -> None:
+    def __init__(self, array: zarr.Array[Any], codecs: tuple[Any, ...]) -> None:
         aa = array.async_array
         self.meta = aa.metadata
         self.proto = default_buffer_prototype()
-        pipeline = aa.codec_pipeline
-        assert isinstance(pipeline, BatchedCodecPipeline)
         spec = self.meta.get_chunk_spec((0,) * len(array.shape), aa.config, self.proto)
         self.fill = fill_value_or_default(spec)
         self.skip_empty = not aa.config.write_empty_chunks
         self.stages: list[tuple[Any, Any]] = []
-        codecs: tuple[Any, ...] = (*pipeline.array_array_codecs, pipeline.array_bytes_codec,
-                                   *pipeline.bytes_bytes_codecs)
         for codec in codecs:
             self.stages.append((codec, spec))
             spec = codec.resolve_metadata(spec)
@@ -86,7 +82,7 @@ class _ChunkEncoder:
                   *pipeline.bytes_bytes_codecs)
         if not all(isinstance(c, SupportsSyncCodec) for c in codecs):
             return None
-        return cls(array)
+        return cls(array, codecs)
 
     def write(self, first: int, block: np.ndarray) -> None:
         """Encode and store the chunk starting at row ``first`` (``block``: chunk-shaped)."""

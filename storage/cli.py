@@ -222,7 +222,7 @@ def _curve(args: argparse.Namespace) -> Any:
 
 def store_locks(args: argparse.Namespace) -> list[StoreLock | StoreLease]:
     """The locks the daemon takes before opening its stores: a ``flock`` per local directory,
-    a lease kept in the store for any other URL (see :mod:`storage.lock`)."""
+    a lease object beside the store for any other URL (see :mod:`storage.lock`)."""
     from ._zarr_io import local_path
     from .daemon import failed_store_location
 

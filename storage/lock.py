@@ -24,7 +24,7 @@ import time
 import uuid
 from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import Any, Self
 
 from .errors import StoreLockedError
 
@@ -33,12 +33,31 @@ __all__ = ["StoreLease", "StoreLock", "lock_path"]
 _log = logging.getLogger("worldtap.storage")
 
 
+
+class _Held:
+    """``with lock:`` takes it (``acquire``) and gives it back (``release``)."""
+
+    def acquire(self) -> Self:
+        raise NotImplementedError
+
+    def release(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self) -> Self:
+        return self.acquire()
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.release()
+
+
 def lock_path(store: Path) -> Path:
     """Where the lock of the local store directory ``store`` lives (``<store>.lock``)."""
     return store.with_name(store.name + ".lock")
 
 
-class StoreLock:
+class StoreLock(_Held):
     """An exclusive, non-blocking lock on a local store directory.
 
     Args:
@@ -86,16 +105,8 @@ class StoreLock:
             os.close(self._fd)
             self._fd = None
 
-    def __enter__(self) -> StoreLock:
-        return self.acquire()
 
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self.release()
-
-
-class StoreLease:
+class StoreLease(_Held):
     """An exclusive lease on a store given by an fsspec URL (see the module notes).
 
     Args:
@@ -182,11 +193,3 @@ class StoreLease:
             lease = self._read()
             if lease is not None and lease.get("token") == self.token:
                 self.fs.rm_file(self.path)
-
-    def __enter__(self) -> StoreLease:
-        return self.acquire()
-
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self.release()
