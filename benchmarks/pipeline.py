@@ -17,6 +17,7 @@ zarr-python); peak RSS <= the memory budget + 300 MB.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import random
@@ -166,9 +167,17 @@ def _zarr_ceiling(worlds: int, seconds: float, root: Path, args: Any, *, path: s
     ``path="writer"``: the daemon's own writer (:func:`storage._columns.write_columns`), the
     storage path alone with no transport or assembly in front of it."""
     import zarr
+    from zarr.core.sync import sync
 
     from storage._columns import Column, write_columns
-    from storage._zarr_io import APPEND_CONFIG, CHUNK_KEYS, append_all, compressors
+    from storage._format import APPEND_CONFIG, CHUNK_KEYS, codecs
+
+    def append_all(pairs: list[tuple[Any, np.ndarray]]) -> None:
+        """zarr-python's own append of every field at once, in one event-loop round trip."""
+        async def run() -> None:
+            await asyncio.gather(*(arr.async_array.append(values) for arr, values in pairs))
+
+        sync(run())
 
     zarr.config.set({"threading.max_workers": os.cpu_count() or 2})  # as the daemon's default
     pool = _pool(worlds)
@@ -184,7 +193,7 @@ def _zarr_ceiling(worlds: int, seconds: float, root: Path, args: Any, *, path: s
             arrays[name] = group.create_array(name, shape=(0, *value.shape[1:]), dtype=value.dtype,
                                               chunks=(max(1, args.chunk_size // row),
                                                       *value.shape[1:]),
-                                              compressors=compressors(args.compression),
+                                              compressors=codecs(args.compression),
                                               chunk_key_encoding=CHUNK_KEYS,
                                               ).with_config(APPEND_CONFIG)  # as the daemon's
         pairs = [(arrays[name], value) for name, value in block.items()]

@@ -5,6 +5,7 @@ from .errors import (
     BrokerClosedError,
     BrokerError,
     ConsumerError,
+    SchemaError,
     SecurityError,
     SendTimeoutError,
     SubscriberTimeoutError,
@@ -28,6 +29,7 @@ from .messages import (
     batch_topic,
     variation_topic,
 )
+from .schema import TopicSchema
 from .security import CurveClient, CurveServer, KeyPair, load_keypair, load_public_keys, write_keypair
 from .wire import PROTOCOL_VERSION, decode, encode
 from .zmq_publisher import DEFAULT_ENDPOINT, Policy, PublisherStatistics, ZmqPublisher
@@ -60,12 +62,14 @@ __all__ = [
     "PublisherStatistics",
     "RunEnd",
     "RunStart",
+    "SchemaError",
     "SecurityError",
     "SendTimeoutError",
     "Subscriber",
     "SubscriberStatistics",
     "SubscriberTimeoutError",
     "Subscription",
+    "TopicSchema",
     "TransportError",
     "VariationSample",
     "WireFormatError",

@@ -1,21 +1,41 @@
-"""Message assembly for the wire codec: decoded header values and tensors -> a checked message.
+"""Header checks and message assembly for the wire codec: decoded header values and tensors -> a
+checked message.
 
-Private to :mod:`broker.wire`. Every check raises :class:`WireFormatError` with a stable reason.
+Private to :mod:`broker.wire`. Every value read from a header is type-checked before it is used
+(hashed, compared, multiplied, handed to torch), and every check raises
+:class:`WireFormatError` with a stable reason, so a malformed message can never surface as a
+``TypeError`` or ``OverflowError`` inside a receiver.
 """
 
 from __future__ import annotations
 
-from typing import Any, Final
+from collections.abc import Mapping
+from types import MappingProxyType
+from typing import Any, Final, cast
 
 import torch
 
 from .errors import WireFormatError
-from .messages import Batch, EpisodeEnd, FieldSpec, Message, RunEnd, RunStart, VariationSample
+from .messages import Batch, EpisodeEnd, FieldSpec, Hook, Message, Phase, RunEnd, RunStart, VariationSample
 
-__all__ = ["assemble", "fail", "is_count"]
+__all__ = ["DTYPES", "MAX_BYTES", "MAX_DIMS", "assemble", "fail", "is_count", "shape_error", "shown"]
+
+DTYPES: Final[Mapping[str, torch.dtype]] = MappingProxyType({
+    "bool": torch.bool, "uint8": torch.uint8, "int8": torch.int8, "int16": torch.int16,
+    "int32": torch.int32, "int64": torch.int64, "float16": torch.float16,
+    "bfloat16": torch.bfloat16, "float32": torch.float32, "float64": torch.float64,
+})
+"""The dtype whitelist: wire name -> torch dtype."""
+MAX_DIMS: Final = 32
+"""Most dimensions a shape may have (numpy's historical limit)."""
+MAX_BYTES: Final = 1 << 62
+"""Ceiling on the bytes a shape may span whatever ``max_message_size`` says, so that no size a
+receiver derives from a decoded shape comes near int64 overflow."""
 
 _HOOKS: Final = frozenset({"pre_step", "post_step", "pre_reset", "post_reset"})
+_PHASES: Final = ("build", "runtime")
 _MAX_DEPTH: Final = 32
+_SHOWN: Final = 200
 
 
 def fail(reason: str, text: str) -> WireFormatError:
@@ -23,9 +43,33 @@ def fail(reason: str, text: str) -> WireFormatError:
     return WireFormatError(reason, text)
 
 
+def shown(value: object) -> str:
+    """``repr(value)`` cut to a length fit for a log line (headers carry up to megabytes)."""
+    text = repr(value)
+    return text if len(text) <= _SHOWN else f"{text[:_SHOWN]}... ({len(text)} characters)"
+
+
 def is_count(value: object) -> bool:
     """Whether ``value`` is a non-negative int that fits msgpack's uint64 range and isn't a bool."""
     return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 1 << 63
+
+
+def shape_error(shape: object, dtype: str, limit: int) -> str | None:
+    """What is wrong with ``shape`` (a header value) for a tensor of whitelisted ``dtype``, or
+    ``None`` when it is a list of at most :data:`MAX_DIMS` ints ``>= 0`` spanning at most ``limit``
+    bytes *with every 0 counted as 1*: a zero-row tensor cannot declare dimensions that no
+    non-empty tensor could carry, so every product of its dimensions stays below ``limit``."""
+    if type(shape) is not list or len(shape) > MAX_DIMS:
+        return f"invalid shape {shown(shape)}: expected a list of at most {MAX_DIMS} ints >= 0"
+    size = DTYPES[dtype].itemsize
+    for d in shape:
+        if type(d) is not int or d < 0:  # type(), not isinstance(): True is not a dimension
+            return f"invalid shape {shown(shape)}: expected a list of at most {MAX_DIMS} ints >= 0"
+        size *= d or 1
+        if size > limit:
+            return (f"shape {shown(shape)} of {dtype} spans more than max_message_size={limit} bytes "
+                    f"(each 0 counted as 1)")
+    return None
 
 
 def _name(dtype: torch.dtype) -> str:
@@ -43,8 +87,8 @@ def _check_metadata(topic: str, value: Any, depth: int = 0) -> None:
         for v in value:
             _check_metadata(topic, v, depth + 1)
     elif value is not None and not isinstance(value, bool | int | float | str | bytes):
-        raise fail("header", f"topic {topic!r}: metadata value of type {type(value).__name__} is "
-                              f"not part of the protocol")
+        raise fail("header", f"topic {topic!r}: metadata value {shown(value)} of type "
+                             f"{type(value).__name__} is not part of the protocol")
 
 
 def _vector(topic: str, name: str, t: torch.Tensor, dtype: torch.dtype, n: int | None) -> None:
@@ -61,52 +105,85 @@ def _leading(topic: str, name: str, t: torch.Tensor, n: int) -> None:
 
 
 def assemble(topic: str, kind: str, head: dict[str, Any], own: dict[str, torch.Tensor],
-             fields: dict[str, torch.Tensor]) -> Message:
-    """The message of ``kind`` from its checked header and tensors, after checking how they fit."""
+             fields: dict[str, torch.Tensor], limit: int) -> Message:
+    """The message of ``kind`` from its checked header and tensors, after checking how they fit.
+
+    ``limit`` bounds the bytes of each run schema field's per-world shape (see
+    :func:`shape_error`).
+    """
     run, seq, step = head["run"], head["seq"], head["step"]
     if kind in ("run_start", "run_end"):
-        return _build_run(topic, kind, head)
+        return _build_run(topic, kind, head, limit)
     worlds = own["worlds"]
     _vector(topic, "worlds", worlds, torch.int64, None)
     n = worlds.shape[0]
     _vector(topic, "episodes", own["episodes"], torch.int64, n)
     if kind == "batch":
         hook = head.get("hook")
-        if hook not in _HOOKS:
-            raise fail("header", f"topic {topic!r}: unknown hook {hook!r}, expected one of {sorted(_HOOKS)}")
+        if not isinstance(hook, str) or hook not in _HOOKS:
+            raise fail("header", f"topic {topic!r}: unknown hook {shown(hook)}, expected one of {sorted(_HOOKS)}")
         for name, t in fields.items():
             _leading(topic, name, t, n)
-        return Batch(run, seq, step, topic, worlds, own["episodes"], fields, hook)
+        return Batch(run, seq, step, topic, worlds, own["episodes"], fields, cast(Hook, hook))
     if kind == "episode_end":
         for name in ("success", "terminated", "truncated"):
             _vector(topic, name, own[name], torch.bool, n)
         _vector(topic, "length", own["length"], torch.int64, n)
         return EpisodeEnd(run, seq, step, worlds, own["episodes"], own["success"], own["terminated"],
                           own["truncated"], own["length"], topic)
-    key, phase, labels = head.get("key"), head.get("phase"), head.get("labels")
-    if not isinstance(key, str) or phase not in ("build", "runtime"):
-        raise fail("header", f"topic {topic!r}: invalid variation key {key!r} or phase {phase!r}")
+    key, phase = head.get("key"), head.get("phase")
+    if not isinstance(key, str) or not isinstance(phase, str) or phase not in _PHASES:
+        raise fail("header", f"topic {topic!r}: invalid variation key {shown(key)} or phase {shown(phase)}, "
+                             f"expected a str and one of {list(_PHASES)}")
+    labels = head.get("labels", ...)  # the encoder always writes the key: missing is malformed
     if labels is not None and not (isinstance(labels, list) and all(
             isinstance(x, str | int | float | bool) for x in labels)):
-        raise fail("header", f"topic {topic!r}: labels must be a list of str/int/float/bool, got {labels!r}")
+        raise fail("header", f"topic {topic!r}: header key 'labels' must be nil or a list of "
+                             f"str/int/float/bool, got {'no such key' if labels is ... else shown(labels)}")
     _leading(topic, "value", own["value"], n)
-    return VariationSample(run, seq, step, key, phase, worlds, own["episodes"], own["value"],
+    return VariationSample(run, seq, step, key, cast(Phase, phase), worlds, own["episodes"], own["value"],
                            None if labels is None else tuple(labels), topic)
 
 
-def _build_run(topic: str, kind: str, head: dict[str, Any]) -> Message:
+def _build_run(topic: str, kind: str, head: dict[str, Any], limit: int) -> Message:
     num_worlds: Any = head.get("num_worlds")
-    device, schema, metadata = head.get("device"), head.get("schema"), head.get("metadata")
+    device, metadata = head.get("device"), head.get("metadata")
     if not is_count(num_worlds) or not isinstance(device, str):
-        raise fail("header", f"topic {topic!r}: invalid num_worlds {num_worlds!r} or device {device!r}")
+        raise fail("header", f"topic {topic!r}: invalid num_worlds {shown(num_worlds)} or device "
+                             f"{shown(device)}, expected an int >= 0 and a str")
     if not isinstance(metadata, dict):
-        raise fail("header", f"topic {topic!r}: metadata must be a map, got {metadata!r}")
+        raise fail("header", f"topic {topic!r}: metadata must be a map, got {shown(metadata)}")
     _check_metadata(topic, metadata)
-    if not isinstance(schema, dict):
-        raise fail("header", f"topic {topic!r}: schema must be a map, got {schema!r}")
-    try:
-        specs = {str(t): {str(f): FieldSpec.from_dict(s) for f, s in fs.items()} for t, fs in schema.items()}
-    except (AttributeError, KeyError, TypeError, ValueError) as exc:
-        raise fail("header", f"topic {topic!r}: invalid schema {schema!r}") from exc
+    specs = _schema(topic, head.get("schema"), limit)
     cls = RunStart if kind == "run_start" else RunEnd
     return cls(head["run"], head["seq"], head["step"], num_worlds, device, specs, metadata, topic)
+
+
+def _schema(topic: str, schema: object, limit: int) -> dict[str, dict[str, FieldSpec]]:
+    """The run schema from its header value, checked down to every field's dtype and shape."""
+    if not isinstance(schema, dict):
+        raise fail("header", f"topic {topic!r}: schema must be a map of topic -> field -> spec, got "
+                             f"{shown(schema)}")
+    out: dict[str, dict[str, FieldSpec]] = {}
+    for term, fields in schema.items():
+        if not isinstance(term, str) or not isinstance(fields, dict):
+            raise fail("header", f"topic {topic!r}: schema entry {shown(term)} must map a topic name to a "
+                                 f"map of fields, got {shown(fields)}")
+        specs: dict[str, FieldSpec] = {}
+        for name, spec in fields.items():
+            where = f"topic {topic!r}: schema of {term!r} field {shown(name)}"
+            if not isinstance(name, str) or not isinstance(spec, dict) or spec.keys() != {"dtype", "shape"}:
+                raise fail("header", f"{where}: expected a str name and a map with exactly 'dtype' and "
+                                     f"'shape', got {shown(spec)}")
+            dtype, shape = spec["dtype"], spec["shape"]
+            if not isinstance(dtype, str) or dtype not in DTYPES:
+                raise fail("dtype", f"{where}: dtype {shown(dtype)} is not on the whitelist {sorted(DTYPES)}")
+            problem = shape_error(shape, dtype, limit)
+            if problem is not None:
+                raise fail("shape", f"{where}: {problem}")
+            try:  # the checks above are the codec's; whatever FieldSpec adds must not escape either
+                specs[name] = FieldSpec(dtype, tuple(shape))
+            except (TypeError, ValueError) as exc:
+                raise fail("schema", f"{where}: {exc}") from exc
+        out[term] = specs
+    return out

@@ -16,6 +16,7 @@ __all__ = [
     "BrokerClosedError",
     "BrokerError",
     "ConsumerError",
+    "SchemaError",
     "SecurityError",
     "SendTimeoutError",
     "SubscriberTimeoutError",
@@ -92,3 +93,9 @@ def translate_zmq_errors(what: str) -> Iterator[None]:
         raise
     except zmq.ZMQError as exc:
         raise TransportError(f"{what} failed: {exc} (errno {exc.errno})") from exc
+
+
+class SchemaError(BrokerError, ValueError):
+    """Fields do not match their topic's schema (:class:`broker.TopicSchema`): a missing or
+    extra field name, another dtype or per-world shape, or a leading dimension that is not the
+    number of worlds in the message."""

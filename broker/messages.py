@@ -14,6 +14,8 @@ from typing import Any, Final, Literal, TypeAlias
 
 import torch
 
+from .schema import FieldSpec
+
 __all__ = [
     "BUILD",
     "RUNTIME",
@@ -53,27 +55,6 @@ def batch_topic(term: str) -> str:
 def variation_topic(key: str) -> str:
     """Topic on which the samples of variation ``key`` are published."""
     return f"variation/{key}"
-
-
-@dataclass(frozen=True, slots=True)
-class FieldSpec:
-    """Schema of one field: dtype name (``torch`` spelling, e.g. ``"float32"``) and the
-    per-world trailing shape (the shape without the leading worlds dimension)."""
-
-    dtype: str
-    shape: tuple[int, ...]
-
-    @classmethod
-    def of(cls, tensor: torch.Tensor) -> FieldSpec:
-        """The spec of a batched tensor whose first dimension is the worlds dimension."""
-        return cls(str(tensor.dtype).removeprefix("torch."), tuple(tensor.shape[1:]))
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"dtype": self.dtype, "shape": list(self.shape)}
-
-    @classmethod
-    def from_dict(cls, value: Mapping[str, Any]) -> FieldSpec:
-        return cls(str(value["dtype"]), tuple(int(d) for d in value["shape"]))
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -164,7 +145,8 @@ class RunStart:
     Attributes:
         num_worlds: Number of parallel worlds.
         device: Device the recorder's tensors live on (e.g. ``"cuda:0"``).
-        schema: Topic -> field -> spec, for the topics known when the run started.
+        schema: Topic -> field -> spec (each a :class:`broker.TopicSchema`'s ``fields``), for the
+            topics known when the run started.
         metadata: User metadata (msgpack-able values only).
     """
 

@@ -3,23 +3,28 @@
 A slot is owned by the simulation thread from :meth:`StagingRing.acquire` until it is handed to
 the sender thread, then by the sender until :meth:`StagingRing.release`, and then by ZeroMQ
 until the slot's message tracker is done (frames are sent zero-copy out of the slot). Only then
-is the slot reused, so the bytes a subscriber receives are the bytes that were staged.
+is the slot reused, so the bytes a subscriber receives are the bytes that were staged: a slot
+whose tracker is still pending is refused (and keeps its tracker) however often it is asked for.
 """
 
 from __future__ import annotations
 
+import collections
 import ctypes
 import threading
 import time
-from typing import Any, Final
+from typing import Any, Final, Protocol
 
 import numpy as np
 import torch
 import zmq
 
-__all__ = ["Layout", "Plan", "Slot", "Staged", "StagingRing"]
+__all__ = ["PLANS_PER_SLOT", "Layout", "Plan", "Slot", "Staged", "StagingRing", "Tracker"]
 
 _ALIGN: Final = 64
+PLANS_PER_SLOT: Final = 16
+"""Message shapes whose layout a slot remembers (least recently used first out): per-step
+batches repeat a few shapes; reset batches and episode ends bring a new shape almost every time."""
 
 Layout = list[tuple[int, int]]
 """``(offset, nbytes)`` of each staged tensor inside its slot."""
@@ -52,18 +57,33 @@ def _host_array(t: torch.Tensor) -> np.ndarray:
         return t.view(_SAME_SIZE_INT[t.element_size()]).numpy()
 
 
+class Tracker(Protocol):
+    """What the ring needs of a :class:`zmq.MessageTracker`: whether ZeroMQ is done with the
+    frames, and a wait that raises :class:`zmq.NotDone` when it is not done in time."""
+
+    @property
+    def done(self) -> bool: ...
+
+    def wait(self, timeout: float | int = -1) -> Any: ...
+
+
+PlanKey = tuple[tuple[torch.dtype, torch.Size], ...]
+
+
 class Slot:
     """One staging buffer (pinned when it has held CUDA tensors)."""
 
-    __slots__ = ("array", "buffer", "busy", "event", "plans", "tracker")
+    __slots__ = ("array", "buffer", "busy", "event", "plans", "recent", "tracker")
 
     def __init__(self) -> None:
         self.buffer: torch.Tensor | None = None
         # (dtype, shape) of every tensor -> its plan: messages of one topic repeat their shapes.
-        self.plans: dict[tuple[tuple[torch.dtype, torch.Size], ...], Plan] = {}
+        # Bounded (LRU): variable-shape messages would otherwise add a plan each.
+        self.plans: collections.OrderedDict[PlanKey, Plan] = collections.OrderedDict()
+        self.recent: Plan | None = None  # the most recently used plan (last in ``plans``)
         self.array: Any = None  # numpy view of ``buffer``, for zero-copy frames
         self.busy = False
-        self.tracker: zmq.MessageTracker | None = None
+        self.tracker: Tracker | None = None
         self.event: Any = None  # torch.cuda.Event of the last staging copy
 
     def ensure(self, nbytes: int, pinned: bool) -> torch.Tensor:
@@ -72,6 +92,7 @@ class Slot:
             self.buffer = torch.empty(max(nbytes, 4096), dtype=torch.uint8, pin_memory=pinned)
             self.array = self.buffer.numpy()
             self.plans.clear()
+            self.recent = None
         return self.buffer
 
     def frame(self, offset: int, nbytes: int) -> memoryview:
@@ -92,13 +113,13 @@ class Plan:
 
 
 class Staged:
-    """A message waiting for the sender thread: its topic, header and (if it has tensors) slot."""
+    """A message waiting for the sender thread: its topic, run, header and (if it has tensors) slot."""
 
-    __slots__ = ("control", "event", "header", "layout", "nbytes", "slot", "topic")
+    __slots__ = ("control", "event", "header", "layout", "nbytes", "run", "slot", "topic")
 
-    def __init__(self, topic: bytes, header: bytes, slot: Slot | None, layout: Layout,
+    def __init__(self, topic: bytes, run: str, header: bytes, slot: Slot | None, layout: Layout,
                  event: Any, control: bool) -> None:
-        self.topic, self.header, self.slot, self.layout = topic, header, slot, layout
+        self.topic, self.run, self.header, self.slot, self.layout = topic, run, header, slot, layout
         self.event, self.control = event, control
         self.nbytes = len(topic) + len(header) + sum(nb for _, nb in layout)
 
@@ -120,7 +141,9 @@ class StagingRing:
 
     def acquire(self, wait: bool, timeout: float) -> Slot | None:
         """The next slot, once ZeroMQ is done with it; ``None`` if it is still in use and
-        ``wait`` is false, or after ``timeout`` seconds (the caller decides what that means)."""
+        ``wait`` is false, after ``timeout`` seconds (the caller decides what that means), or
+        once the ring is closed. A refused slot keeps its pending tracker: it is asked for
+        again next time (the ring is used strictly in order)."""
         slot = self.slots[self._next]
         deadline = time.monotonic() + timeout
         with self._cond:
@@ -129,6 +152,8 @@ class StagingRing:
                 if not wait or remaining <= 0:
                     return None
                 self._cond.wait(remaining)
+            if self.closed:
+                return None
             slot.busy = True
         tracker = slot.tracker
         if tracker is not None and not tracker.done:
@@ -137,13 +162,13 @@ class StagingRing:
                     raise zmq.NotDone
                 tracker.wait(max(deadline - time.monotonic(), 0.0))
             except zmq.NotDone:
-                self.release(slot, None)
+                self.release(slot, tracker)  # ZeroMQ may still be reading it
                 return None
         slot.tracker = None
         self._next = (self._next + 1) % len(self.slots)
         return slot
 
-    def release(self, slot: Slot, tracker: zmq.MessageTracker | None) -> None:
+    def release(self, slot: Slot, tracker: Tracker | None) -> None:
         """Give ``slot`` back; it is reused once ``tracker`` (if any) is done."""
         with self._cond:
             slot.tracker = tracker
@@ -155,9 +180,18 @@ class StagingRing:
         tensors, the event the sender must wait on before reading the slot (else ``None``)."""
         cuda = next((t.device for t in tensors if t.is_cuda), None)
         key = tuple((t.dtype, t.shape) for t in tensors)
-        plan = slot.plans.get(key)
+        plans = slot.plans
+        plan = plans.get(key)
         if plan is None or (cuda is not None and not plan.pinned):
-            plan = slot.plans[key] = self._plan(slot, tensors, pinned=cuda is not None)
+            plan = self._plan(slot, tensors, pinned=cuda is not None)
+            plans[key] = plan  # after _plan: a reallocated buffer clears the plans
+            plans.move_to_end(key)
+            if len(plans) > PLANS_PER_SLOT:
+                plans.popitem(last=False)
+            slot.recent = plan
+        elif plan is not slot.recent:  # a repeated shape is already the most recent
+            plans.move_to_end(key)
+            slot.recent = plan
         if cuda is not None:
             return plan.layout, self._stage_cuda(slot, plan.views, [tensors[i] for i in plan.nonempty], cuda)
         for dst, address, i in zip(plan.host, plan.addresses, plan.nonempty, strict=True):

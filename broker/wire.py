@@ -13,7 +13,13 @@ Layout (protocol version 1):
 - ``frame_i``: raw little-endian bytes of tensor ``i`` (C order; ``bfloat16`` as its raw 16 bits,
   ``bool`` as one byte 0 or 1).
 
-Decoding validates everything and raises :class:`WireFormatError` with a stable ``reason``.
+Decoding validates everything and raises :class:`WireFormatError` with a stable ``reason``, and
+nothing else, for any received bytes: every header value is type-checked before it is used, and
+every shape (tensor or run-schema field) is bounded before anything is allocated, with a zero
+dimension counted as 1, so no size computed from a decoded shape can overflow. A decoded message
+keeps the structural contract of :mod:`broker.messages` (1-D int64 ``worlds`` and ``episodes`` of
+one length, that length leading every other tensor, bool tensors holding only 0 and 1, ...);
+its *values* (world indices, episode numbers) are for the receiver to check against its run.
 Decoded tensors are CPU tensors built over the received frames without a copy (a read-only
 buffer such as ``bytes`` is copied once, because torch tensors must be writable); they belong to
 the receiver.
@@ -32,9 +38,10 @@ import msgpack
 import numpy as np
 import torch
 
-from ._assemble import assemble
+from ._assemble import DTYPES, MAX_BYTES, MAX_DIMS, assemble, shape_error, shown
 from ._assemble import fail as _fail
 from ._assemble import is_count as _is_count
+from .errors import WireFormatError
 from .messages import (
     TOPIC_EPISODE_END,
     TOPIC_RUN_END,
@@ -51,6 +58,7 @@ __all__ = [
     "DEFAULT_MAX_HEADER_SIZE",
     "DEFAULT_MAX_MESSAGE_SIZE",
     "DTYPES",
+    "MAX_DIMS",
     "PROTOCOL_VERSION",
     "REASONS",
     "SUBSCRIBER_ACK",
@@ -71,14 +79,9 @@ PROTOCOL_VERSION: Final = 1
 DEFAULT_MAX_HEADER_SIZE: Final = 1 << 20
 """Largest accepted header (bytes); a RunStart schema of thousands of fields fits easily."""
 DEFAULT_MAX_MESSAGE_SIZE: Final = 1 << 31
-"""Largest accepted frame and whole message (bytes); also the receiving socket's MAXMSGSIZE."""
-
-DTYPES: Final[Mapping[str, torch.dtype]] = MappingProxyType({
-    "bool": torch.bool, "uint8": torch.uint8, "int8": torch.int8, "int16": torch.int16,
-    "int32": torch.int32, "int64": torch.int64, "float16": torch.float16,
-    "bfloat16": torch.bfloat16, "float32": torch.float32, "float64": torch.float64,
-})
-"""The dtype whitelist: wire name -> torch dtype."""
+"""Largest accepted frame and whole message (bytes); also the receiving socket's MAXMSGSIZE, and
+the most bytes any decoded shape may span (run-schema fields included, zero dimensions counted
+as 1)."""
 _NAMES: Final = {dtype: name for name, dtype in DTYPES.items()}
 _NUMPY: Final = {name: np.dtype(name if name != "bfloat16" else "int16") for name in DTYPES}
 """Wire name -> numpy dtype to view a frame as (bfloat16, which numpy lacks: its bits)."""
@@ -106,7 +109,6 @@ _OWN: Final[Mapping[str, tuple[str, ...]]] = {
     "variation": ("worlds", "episodes", "value"),
     "run_start": (), "run_end": (),
 }
-_MAX_DIMS: Final = 32
 
 Spec = tuple[str, str, tuple[int, ...]]
 """``(name, dtype name, shape)`` of one tensor on the wire."""
@@ -167,7 +169,9 @@ def encode_header(
     tensors, then fields).
 
     Raises:
-        WireFormatError: (reason ``"encode"``) a value msgpack cannot carry, e.g. metadata.
+        WireFormatError: (reason ``"encode"``) a value msgpack cannot carry, e.g. metadata, or
+            a run message that receivers would reject (metadata map keys other than str or
+            bytes, a schema dtype off the whitelist).
     """
     kind = _KINDS.get(type(message))
     if kind is None:
@@ -190,10 +194,21 @@ def encode_header(
         if isinstance(message, RunEnd):
             head["streams"] = dict(streams or {})
     try:
-        return msgpack.packb(head, use_bin_type=True, strict_types=False)  # type: ignore[no-any-return]
+        header: bytes = msgpack.packb(head, use_bin_type=True, strict_types=False)
     except (TypeError, ValueError, OverflowError, msgpack.PackException) as exc:
         raise _fail("encode", f"topic {message.topic!r}: header cannot be encoded with msgpack: "
                               f"{exc}") from exc
+    if kind in ("run_start", "run_end"):
+        # Receivers decode strictly: refuse here, where the caller sees it, what every receiver
+        # would refuse (metadata with int keys, a schema dtype off the whitelist, ...), rather
+        # than lose the run there. Two messages a run, so the cost does not matter.
+        try:
+            decode_envelope([message.topic.encode(), header], max_header_size=len(header),
+                            max_message_size=MAX_BYTES)
+        except WireFormatError as exc:
+            raise _fail("encode", f"topic {message.topic!r}: receivers would reject this message "
+                                  f"({exc.reason}): {exc}") from exc
+    return header
 
 
 def _frame(tensor: torch.Tensor) -> memoryview:
@@ -236,8 +251,17 @@ def decode(
 ) -> Message:
     """Decode ``[topic, header, frames...]`` (``bytes``, ``memoryview`` or ``zmq.Frame``).
 
+    Args:
+        frames: The received frames. Tensors are built over writable frames without a copy and
+            then own them; read-only frames (``bytes``) are copied once.
+        max_header_size: Largest accepted header in bytes (bounds msgpack's work and memory).
+        max_message_size: Largest accepted message in bytes, and the most bytes any shape in it
+            may span with each zero dimension counted as 1 (never more than 2**62), so that a
+            zero-row tensor cannot declare dimensions whose products overflow downstream.
+
     Raises:
-        WireFormatError: Anything about the message is invalid; ``reason`` says what.
+        WireFormatError: Anything about the message is invalid; ``reason`` (one of
+            :data:`REASONS`) says what. Nothing else is raised for any received bytes.
     """
     return decode_envelope(frames, max_header_size=max_header_size,
                            max_message_size=max_message_size).message
@@ -266,8 +290,9 @@ def decode_envelope(
     head = _unpack(topic, views[1])
     kind = _check_head(topic, head)
     payload = views[2:]
-    own_specs = _specs(topic, head, "tensors")
-    field_specs = _specs(topic, head, "fields") if kind == "batch" else []
+    limit = min(max_message_size, MAX_BYTES)
+    own_specs = _specs(topic, head, "tensors", limit)
+    field_specs = _specs(topic, head, "fields", limit) if kind == "batch" else []
     specs = own_specs + field_specs
     if [s[0] for s in own_specs] != list(_OWN[kind]):
         raise _fail("schema", f"topic {topic!r}: expected tensors {list(_OWN[kind])} for kind "
@@ -284,12 +309,13 @@ def decode_envelope(
     own = {name: t for (is_own, name), t in tensors.items() if is_own}
     fields = {name: t for (is_own, name), t in tensors.items() if not is_own}
     if len(fields) != len(field_specs):
-        raise _fail("schema", f"topic {topic!r}: duplicate field names {[s[0] for s in field_specs]}")
-    message = assemble(topic, kind, head, own, fields)
-    streams = head.get("streams", {}) if kind == "run_end" else {}
+        raise _fail("schema", f"topic {topic!r}: duplicate field names {shown([s[0] for s in field_specs])}")
+    message = assemble(topic, kind, head, own, fields, limit)
+    streams = head.get("streams") if kind == "run_end" else {}
     if not isinstance(streams, dict) or not all(
             isinstance(k, str) and _is_count(v) for k, v in streams.items()):
-        raise _fail("header", f"topic {topic!r}: 'streams' must map topics to counts, got {streams!r}")
+        raise _fail("header", f"topic {topic!r}: header key 'streams' must map topics to counts, got "
+                              f"{shown(streams)}")
     return Decoded(message, head["pub"], head["n"], MappingProxyType(streams))
 
 
@@ -305,50 +331,54 @@ def _unpack(topic: str, header: memoryview) -> dict[str, Any]:
         raise _fail("header", f"topic {topic!r}: header is not valid msgpack: {exc}") from exc
     if not isinstance(head, dict):
         raise _fail("header", f"topic {topic!r}: header must be a msgpack map, got {type(head).__name__}")
-    if "v" not in head or head["v"] != PROTOCOL_VERSION or isinstance(head["v"], bool):
-        raise _fail("version", f"topic {topic!r}: unsupported protocol version {head.get('v')!r} "
+    version = head.get("v")
+    if type(version) is not int or version != PROTOCOL_VERSION:  # not True, not 1.0
+        raise _fail("version", f"topic {topic!r}: unsupported protocol version {shown(version)} "
                                f"(this codec speaks version {PROTOCOL_VERSION})")
     return head
 
 
 def _check_head(topic: str, head: dict[str, Any]) -> str:
     kind = head.get("kind")
-    if kind not in _OWN:
-        raise _fail("kind", f"topic {topic!r}: unknown message kind {kind!r}, expected one of {sorted(_OWN)}")
+    if not isinstance(kind, str) or kind not in _OWN:  # a list or map would not even hash
+        raise _fail("kind", f"topic {topic!r}: unknown message kind {shown(kind)}, expected one of "
+                            f"{sorted(_OWN)}")
     for key, ok in (("run", isinstance(head.get("run"), str)), ("pub", isinstance(head.get("pub"), str)),
                     ("seq", _is_count(head.get("seq"))), ("step", _is_count(head.get("step"))),
                     ("n", _is_count(head.get("n")))):
         if not ok:
             raise _fail("header", f"topic {topic!r}: header key {key!r} is missing or invalid: "
-                                  f"{head.get(key)!r}")
+                                  f"{shown(head.get(key))}")
     fixed = {"episode_end": TOPIC_EPISODE_END, "run_start": TOPIC_RUN_START, "run_end": TOPIC_RUN_END}
     if kind == "batch":
         good = topic.startswith("batch/") and len(topic) > len("batch/")
     elif kind == "variation":
         good = bool(topic)
     else:
-        good = topic == fixed[str(kind)]
+        good = topic == fixed[kind]
     if not good:
         raise _fail("topic", f"topic {topic!r} does not fit message kind {kind!r}")
     return str(kind)
 
 
-def _specs(topic: str, head: dict[str, Any], key: str) -> list[tuple[str, str, tuple[int, ...], int]]:
+def _specs(topic: str, head: dict[str, Any], key: str,
+           limit: int) -> list[tuple[str, str, tuple[int, ...], int]]:
     entries = head.get(key)
     if not isinstance(entries, list):
-        raise _fail("header", f"topic {topic!r}: header key {key!r} must be a list, got {entries!r}")
+        raise _fail("header", f"topic {topic!r}: header key {key!r} must be a list, got {shown(entries)}")
     out = []
     for entry in entries:
         if not (isinstance(entry, list) and len(entry) == 4 and isinstance(entry[0], str)
                 and isinstance(entry[1], str) and _is_count(entry[3])):
             raise _fail("header", f"topic {topic!r}: {key} entry must be [name, dtype, shape, frame], "
-                                  f"got {entry!r}")
+                                  f"got {shown(entry)}")
         name, dtype, shape, frame = entry
         if dtype not in DTYPES:
-            raise _fail("dtype", f"topic {topic!r} tensor {name!r}: dtype {dtype!r} is not on the "
-                                 f"whitelist {sorted(DTYPES)}")
-        if not (isinstance(shape, list) and len(shape) <= _MAX_DIMS and all(_is_count(d) for d in shape)):
-            raise _fail("shape", f"topic {topic!r} tensor {name!r}: invalid shape {shape!r}")
+            raise _fail("dtype", f"topic {topic!r} tensor {shown(name)}: dtype {shown(dtype)} is not on "
+                                 f"the whitelist {sorted(DTYPES)}")
+        problem = shape_error(shape, dtype, limit)
+        if problem is not None:
+            raise _fail("shape", f"topic {topic!r} tensor {shown(name)}: {problem}")
         out.append((name, dtype, tuple(shape), frame))
     return out
 

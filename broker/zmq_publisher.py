@@ -8,19 +8,27 @@ import threading
 import time
 import uuid
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any, Final, Literal
 
 import zmq
 
-from .errors import BrokerClosedError, SendTimeoutError, SubscriberTimeoutError, TransportError, translate_zmq_errors
+from .errors import (
+    BrokerClosedError,
+    BrokerError,
+    SendTimeoutError,
+    SubscriberTimeoutError,
+    TransportError,
+    WireFormatError,
+    translate_zmq_errors,
+)
 from .messages import TOPIC_RUN_END, Message, RunEnd, RunStart
 from .security import CurveServer, attach
 from .staging import Layout, Slot, Staged, StagingRing
 from .wire import SUBSCRIBER_ACK, SUBSCRIBER_HELLO, encode_header, message_tensors, tensor_spec
 
-__all__ = ["DEFAULT_ENDPOINT", "Policy", "PublisherStatistics", "ZmqPublisher"]
+__all__ = ["DEFAULT_ENDPOINT", "Policy", "PublisherStatistics", "ZmqPublisher", "hello_subscription"]
 
 _log = logging.getLogger("worldtap.broker.zmq")
 
@@ -28,22 +36,47 @@ DEFAULT_ENDPOINT: Final = "tcp://127.0.0.1:5555"
 """Loopback only: reaching other hosts is an explicit choice (and wants CURVE)."""
 Policy = Literal["block", "drop"]
 _IDLE_POLL: Final = 0.005
+_RESEND_INTERVAL: Final = 1.0  # seconds between re-sends of unconfirmed RunEnds while closing
+_MAX_PENDING_ENDS: Final = 1024  # unconfirmed RunEnds kept for subscribers that may re-join
+_TOPIC_RUN_END: Final = TOPIC_RUN_END.encode()
+
+
+def hello_subscription(subscriber: str, max_message_size: int) -> bytes:
+    """The subscription by which a :class:`broker.Subscriber` announces itself to publishers:
+    ``SUBSCRIBER_HELLO + b"<id>/<max_message_size>"`` (its id keys its confirmations; the size
+    is the largest message it accepts, which publishers then never exceed)."""
+    return SUBSCRIBER_HELLO + f"{subscriber}/{max_message_size}".encode()
+
+
+def _parse_hello(body: bytes) -> tuple[bytes, int | None]:
+    ident, _, size = body[len(SUBSCRIBER_HELLO):].partition(b"/")
+    return ident, int(size) if size.isdigit() and int(size) > 0 else None
 
 
 @dataclass(frozen=True, slots=True)
 class PublisherStatistics:
     """A snapshot of a publisher's counters.
 
+    Once the publisher is closed, ``published == messages + drops + failed``: every message
+    that got a wire number was handed to ZeroMQ, dropped, or lost to an error, and each one
+    that was not handed on leaves a hole in its stream's numbering that subscribers report as
+    a :class:`broker.Gap`.
+
     Attributes:
         published: Messages accepted by the publisher (each got a wire number).
         messages: Messages handed to ZeroMQ.
         bytes: Bytes of those messages (topic, header and frames).
-        drops: Messages not delivered (``drop`` policy, or a ``block`` send timeout). Once the
-            publisher is closed, ``published == messages + drops``.
+        drops: Messages not delivered: ``drop`` policy, a ``block`` send timeout, or larger
+            than the message size limit (``oversized``).
+        failed: Messages lost to an error (staging raised, the sender thread failed).
+        oversized: Dropped messages larger than ``max_message_size`` or than the smallest
+            ``max_message_size`` announced by a joined subscriber.
         peak_queue: Most messages staged and waiting for the sender thread at once.
         queued: Messages waiting for the sender thread now.
-        subscribers: :class:`broker.Subscriber` instances currently joined.
-        send_timeouts: ``block``-policy sends that timed out.
+        subscribers: :class:`broker.Subscriber` instances joined and alive now.
+        send_timeouts: ``block``-policy sends that timed out (no staging slot, or the socket).
+        resent_run_ends: ``RunEnd`` messages sent again to subscribers that had not confirmed
+            them (after they re-joined, or while ``close()`` waits). Not in ``messages``.
         closed: Whether ``close()`` was called.
     """
 
@@ -51,11 +84,22 @@ class PublisherStatistics:
     messages: int
     bytes: int
     drops: int
+    failed: int
+    oversized: int
     peak_queue: int
     queued: int
     subscribers: int
     send_timeouts: int
+    resent_run_ends: int
     closed: bool
+
+
+@dataclass(slots=True)
+class _PendingEnd:
+    """A RunEnd the sender thread sent, and the subscribers that have not confirmed it yet."""
+
+    header: bytes
+    waiting: set[bytes] = field(default_factory=set)
 
 
 class ZmqPublisher:
@@ -68,10 +112,34 @@ class ZmqPublisher:
 
     Delivery: ``policy="block"`` (lossless) applies backpressure through XPUB_NODROP and the
     bounded ring; a message that cannot be handed on within ``send_timeout`` is lost and
-    raises :class:`SendTimeoutError` (from the next call, or from ``close()``), never a hang.
-    ``policy="drop"`` never makes the caller wait: a full ring or a full subscriber queue
-    drops the message and counts it; subscribers see the gap. ``run/`` messages are never
-    dropped. Messages are numbered per ``(publisher, run, topic)`` on the wire.
+    raises :class:`SendTimeoutError` (from the call that could not get a staging slot, or
+    from the next call after the socket timed out), never a hang. ``policy="drop"`` never
+    makes the caller wait: a full ring or a full subscriber queue drops the message and counts
+    it. ``run/`` messages are never dropped by policy. Messages are numbered per
+    ``(publisher, run, topic)`` on the wire before they are staged, so every message that is
+    not handed to ZeroMQ leaves a hole that subscribers report as a :class:`broker.Gap`.
+    In ``block`` policy a loss is never silent: it is counted in :meth:`statistics`, raised
+    once from a call, and raised again by :meth:`close`.
+
+    Message size: no message larger than ``max_message_size``, or than the smallest
+    ``max_message_size`` a joined subscriber announced, is sent (ZeroMQ would drop the
+    subscriber's connection, losing more than that message): it is counted as a drop
+    (``oversized``), leaves a gap, and in ``block`` policy raises :class:`WireFormatError`
+    (reason ``"too large"``) from the next call and from :meth:`close`.
+
+    Subscribers: a :class:`broker.Subscriber` counts from its join (its topic subscriptions
+    are in place) until it is gone: its connection closed, or silent for ``heartbeat``
+    seconds (ZMTP heartbeats; a connecting publisher also drops the connection's queue then,
+    ZeroMQ ``IMMEDIATE``, so a dead peer neither counts nor holds messages). Messages queued
+    for a subscriber whose connection breaks are lost to it; it reports them as a gap if it
+    comes back (same id) and sees later numbers of the stream.
+
+    Run ends: a subscriber confirms each ``RunEnd`` it receives; :meth:`close` waits for the
+    confirmations of every live subscriber (ZeroMQ discards what a peer has not read when the
+    connection closes). A ``RunEnd`` that a subscriber has not confirmed is sent again when
+    that subscriber re-joins, and every second while :meth:`close` waits, so a run's end (and
+    the tail losses its per-topic counts reveal) survives a broken connection; subscribers
+    skip the copies they already have.
 
     Messages published before a subscriber has joined are lost to it (ZeroMQ's slow joiner):
     call :meth:`wait_for_subscribers` first. Call :meth:`close` at the end: it delivers everything
@@ -89,6 +157,12 @@ class ZmqPublisher:
         curve: CURVE server keys and client allow-list; ``None`` for plain text.
         hwm: ZeroMQ send high-water mark (messages queued per subscriber).
         name: Consumer name shown by the broker.
+        max_message_size: Largest message (topic, header and frames, in bytes) this publisher
+            sends; ``None``: only the subscribers' announced limits apply.
+        heartbeat: Seconds without a sign of life (ZMTP heartbeats) after which a peer's
+            connection is dropped and its subscribers stop counting; ``None``: only closed
+            connections end a subscription. :class:`broker.Subscriber` pings at least every
+            second, so only a stalled process or host trips it.
     """
 
     def __init__(
@@ -103,6 +177,8 @@ class ZmqPublisher:
         curve: CurveServer | None = None,
         hwm: int = 64,
         name: str | None = None,
+        max_message_size: int | None = None,
+        heartbeat: float | None = 10.0,
     ) -> None:
         if policy not in ("block", "drop"):
             raise ValueError(f"policy: expected 'block' or 'drop', got {policy!r}")
@@ -112,42 +188,66 @@ class ZmqPublisher:
             raise ValueError(f"slots: expected a positive int, got {slots!r}")
         if isinstance(topics, str) or not all(isinstance(t, str) for t in topics):
             raise TypeError(f"topics: expected a sequence of str prefixes, got {topics!r}")
+        if max_message_size is not None and (isinstance(max_message_size, bool) or not isinstance(
+                max_message_size, int) or max_message_size <= 0):
+            raise ValueError(f"max_message_size: expected a positive int or None, got {max_message_size!r}")
+        if heartbeat is not None and not 0.1 <= heartbeat <= 3600:
+            raise ValueError(f"heartbeat: expected None or seconds in [0.1, 3600], got {heartbeat!r}")
         requested = [endpoint] if isinstance(endpoint, str) else list(endpoint)
         self.id = uuid.uuid4().hex[:16]
         self.name = name or f"ZmqPublisher({', '.join(requested)})"
         self.policy: Policy = policy
         self.send_timeout = float(send_timeout)
         self.topics = tuple(topics)
+        self.max_message_size = max_message_size
+        # run -> topic -> next wire number; kept after RunEnd, so a run id used again by this
+        # publisher continues its streams (subscribers reject numbers they have seen).
         self._numbers: dict[str, dict[str, int]] = {}
         self._runs: dict[str, tuple[RunStart | None, int, int]] = {}
         self._queue: collections.deque[Staged] = collections.deque()
         self._cond = threading.Condition()
         self._ring = StagingRing(slots, self._cond)
-        self._subscribers: set[bytes] = set()
-        self._unacked: dict[str, set[bytes]] = {}  # run -> subscribers yet to confirm its RunEnd
-        self._published = self._sent = self._bytes = self._ring_drops = self._send_drops = 0
-        self._timeouts = self._peak = 0  # each counter is written by one thread only
-        self._error: BaseException | None = None
+        # Guarded by _cond: live subscribers (id -> announced max_message_size), every id ever
+        # joined, RunEnds awaiting confirmation, and errors waiting to be raised.
+        self._subscribers: dict[bytes, int | None] = {}
+        self._known: set[bytes] = set()
+        self._ends: dict[str, _PendingEnd] = {}
+        self._errors: list[BrokerError] = []
+        self._limit = max_message_size  # the smallest limit in force (sender thread)
+        self._resend: set[str] = set()  # runs whose RunEnd to send again (sender thread)
+        # Each counter is written by one thread only: the simulation thread...
+        self._published = self._ring_drops = self._ring_timeouts = self._failed_here = self._peak = 0
+        # ... and the sender thread.
+        self._sent = self._bytes = self._send_drops = self._timeouts = self._oversized = 0
+        self._failed_sender = self._resent = 0
         self._closed = self._closing = self._done = False
         self._close_deadline = 0.0
         self._ctx: zmq.Context[Any] = zmq.Context()
         self._auth = curve.start_authenticator(self._ctx) if curve is not None else None
         self.endpoints: tuple[str, ...] = ()
         try:
-            self._socket = self._open(requested, bind, curve, hwm)
+            self._socket = self._open(requested, bind, curve, hwm, heartbeat)
         except BaseException:
             self._teardown(linger=0)
             raise
         self._thread = threading.Thread(target=self._run, name=f"worldtap-zmq-pub-{self.id}", daemon=True)
         self._thread.start()
 
-    def _open(self, endpoints: list[str], bind: bool, curve: CurveServer | None, hwm: int) -> zmq.Socket[Any]:
+    def _open(self, endpoints: list[str], bind: bool, curve: CurveServer | None, hwm: int,
+              heartbeat: float | None) -> zmq.Socket[Any]:
         with translate_zmq_errors("create XPUB socket"):
             sock: zmq.Socket[Any] = self._ctx.socket(zmq.XPUB)
         # NODROP in both policies: a full subscriber queue must be seen (EAGAIN) to be counted.
-        # MAXMSGSIZE: the only inbound traffic is subscriptions.
-        for option, value in ((zmq.LINGER, 0), (zmq.XPUB_NODROP, 1), (zmq.SNDHWM, hwm),
-                              (zmq.MAXMSGSIZE, 4096), (zmq.SNDTIMEO, int(self.send_timeout * 1000))):
+        # MAXMSGSIZE: the only inbound traffic is subscriptions. IMMEDIATE: a connecting socket
+        # otherwise keeps a broken connection's queue, and the subscriptions of whoever was at
+        # the other end, across reconnects (a dead subscriber would count, and be waited for,
+        # forever); with it, the queue is dropped and XPUB reports the unsubscriptions.
+        options = [(zmq.LINGER, 0), (zmq.XPUB_NODROP, 1), (zmq.SNDHWM, hwm), (zmq.MAXMSGSIZE, 4096),
+                   (zmq.SNDTIMEO, int(self.send_timeout * 1000)), (zmq.IMMEDIATE, 1)]
+        if heartbeat is not None:
+            options += [(zmq.HEARTBEAT_IVL, max(int(heartbeat * 100), 50)),
+                        (zmq.HEARTBEAT_TIMEOUT, int(heartbeat * 1000))]
+        for option, value in options:
             sock.setsockopt(option, value)
         if curve is not None:
             curve.apply(sock)
@@ -161,10 +261,12 @@ class ZmqPublisher:
 
         Raises:
             BrokerClosedError: The publisher was closed.
-            SendTimeoutError: ``block`` policy: no staging slot freed up within ``send_timeout``,
-                or an earlier message timed out on the socket (raised once).
+            SendTimeoutError: ``block`` policy: no staging slot freed up within ``send_timeout``
+                (this message is lost), or an earlier message timed out on the socket (raised
+                once; :meth:`close` raises again).
             TransportError: The sender thread failed.
-            WireFormatError: The message cannot be encoded.
+            WireFormatError: The message cannot be encoded, or (``block`` policy, reason
+                ``"too large"``) an earlier message exceeded the message size limit.
         """
         if self._closed:
             raise BrokerClosedError(f"{self.name}: publish on topic {message.topic!r} after close()")
@@ -185,12 +287,10 @@ class ZmqPublisher:
                    if isinstance(message, RunEnd) else None)
         header = encode_header(message, own_specs, field_specs, publisher=self.id, number=number,
                                streams=streams)
+        # From here on the message has a wire number: it is sent, dropped or failed, and counted.
         counters[topic] = number + 1
         self._published += 1
         if isinstance(message, RunEnd):
-            with self._cond:
-                self._unacked[run] = set(self._subscribers)
-            del self._numbers[run]
             self._runs.pop(run, None)
         else:
             start = message if isinstance(message, RunStart) else self._runs.get(run, (None, 0, 0))[0]
@@ -201,7 +301,15 @@ class ZmqPublisher:
         layout: Layout = []
         event: Any = None
         if tensors:
-            slot = self._acquire(control, topic)
+            try:
+                slot = self._acquire(control, topic)
+            except SendTimeoutError:
+                self._ring_drops += 1
+                self._ring_timeouts += 1
+                raise
+            except BaseException:
+                self._failed_here += 1
+                raise
             if slot is None:
                 self._ring_drops += 1
                 return
@@ -209,9 +317,16 @@ class ZmqPublisher:
                 layout, event = self._ring.stage(slot, [t for _, t in tensors])
             except BaseException:
                 self._ring.release(slot, None)
+                self._failed_here += 1
                 raise
-        item = Staged(topic.encode(), header, slot, layout, event, control)
+        item = Staged(topic.encode(), run, header, slot, layout, event, control)
         with self._cond:
+            if self._done:  # the sender thread has stopped: nobody would send it
+                self._failed_here += 1
+                if slot is not None:
+                    slot.busy = False
+                raise TransportError(f"{self.name}: the sender thread has stopped; a message on topic "
+                                     f"{topic!r} was not sent")
             self._queue.append(item)
             self._peak = max(self._peak, len(self._queue))
             self._cond.notify()
@@ -221,16 +336,36 @@ class ZmqPublisher:
         wait = self.policy == "block" or control
         slot = self._ring.acquire(wait, self.send_timeout)
         if slot is None and self._done:
-            raise TransportError(f"{self.name}: the sender thread has stopped") from self._error
+            raise TransportError(f"{self.name}: the sender thread has stopped; a message on topic "
+                                 f"{topic!r} was not sent")
         if slot is None and wait:
             raise SendTimeoutError(
                 f"{self.name}: no staging slot freed within send_timeout={self.send_timeout} s for "
-                f"topic {topic!r}; a subscriber of {', '.join(self.endpoints)} is too slow or gone")
+                f"topic {topic!r}; a subscriber of {', '.join(self.endpoints)} is too slow or gone "
+                f"(message lost)")
         return slot
 
+    def _fail(self, error: BrokerError) -> None:
+        """Keep ``error`` to raise from the next call (or close()); earlier ones are kept too."""
+        with self._cond:
+            self._errors.append(error)
+
+    def _take_errors(self) -> BrokerError | None:
+        """The first pending error, noting the others on it (none is lost), or ``None``."""
+        with self._cond:
+            errors, self._errors = self._errors, []
+        if not errors:
+            return None
+        first = errors[0]
+        for other in errors[1:4]:
+            first.add_note(f"also: {other}")
+        if len(errors) > 4:
+            first.add_note(f"... and {len(errors) - 4} more error(s)")
+        return first
+
     def _raise_pending(self) -> None:
-        if self._error is not None:
-            error, self._error = self._error, None
+        error = self._take_errors()
+        if error is not None:
             raise error
         if self._done and not self._closed:
             raise TransportError(f"{self.name}: the sender thread has stopped")
@@ -239,76 +374,143 @@ class ZmqPublisher:
 
     def _run(self) -> None:
         sock = self._socket
+        item: Staged | None = None
+        broken = False
         try:
             while True:
-                item = None
                 with self._cond:
                     if not self._queue and not self._closing:
                         self._cond.wait(_IDLE_POLL)
-                    if self._queue:
-                        item = self._queue.popleft()
-                    elif self._closing:
+                    item = self._queue.popleft() if self._queue else None
+                    if item is None and self._closing:
                         break
                 self._read_subscriptions(sock)
+                if self._resend:
+                    self._send_run_ends(sock, self._resend)
                 if item is not None:
                     self._send(sock, item)
+                    item = None
         except Exception as exc:
+            broken = True
             _log.exception("%s: sender thread failed", self.name)
-            self._error = TransportError(f"{self.name}: sender thread failed: {exc!r}")
-            self._error.__cause__ = exc
+            if item is not None:  # its wire number is taken: a hole subscribers report
+                self._failed_sender += 1
+                if item.slot is not None:
+                    self._ring.release(item.slot, None)
+            error = TransportError(f"{self.name}: sender thread failed: {exc!r}")
+            error.__cause__ = exc
+            self._fail(error)
         finally:
             linger = 0.0
-            if self._closing:  # zero-copy messages are tracked: an undelivered one is an error
-                if not self._released(self._close_deadline) and self._error is None:
-                    self._error = SendTimeoutError(
-                        f"{self.name}: close() could not deliver every message within its timeout; "
-                        f"a subscriber of {', '.join(self.endpoints)} is too slow or gone")
-                # Disconnecting drops what a subscriber has not read yet: wait until each one
-                # confirms the RunEnd of every run (so it has received everything before it).
-                while self._awaiting_acks() and time.monotonic() < self._close_deadline:
-                    if sock.poll(20, zmq.POLLIN):
-                        self._read_subscriptions(sock)
-                if self._awaiting_acks() and self._error is None:
-                    self._error = SendTimeoutError(
-                        f"{self.name}: close(): a subscriber of {', '.join(self.endpoints)} did not confirm "
-                        f"the end of run(s) {sorted(self._unacked)} within the timeout; it is too "
-                        f"slow or gone")
+            if self._closing and not broken:
+                try:
+                    self._finish(sock)
+                except zmq.ZMQError as exc:
+                    error = TransportError(f"{self.name}: close() failed: {exc!r}")
+                    error.__cause__ = exc
+                    self._fail(error)
                 linger = max(self._close_deadline - time.monotonic(), 0.0)
             sock.close(linger=int(linger * 1000))
-            self._done = True
+            with self._cond:
+                self._done = True
+                for left in self._queue:  # never sent: their numbers are holes
+                    self._failed_sender += 1
+                    if left.slot is not None:
+                        left.slot.busy = False
+                self._queue.clear()
             self._ring.close()
+
+    def _finish(self, sock: zmq.Socket[Any]) -> None:
+        """close(): wait until ZeroMQ has sent every slot and each live subscriber has confirmed
+        every RunEnd sent to it (disconnecting drops what a subscriber has not read yet)."""
+        # Zero-copy messages are tracked: an undelivered one is an error.
+        if not self._released(self._close_deadline):
+            self._fail(SendTimeoutError(
+                f"{self.name}: close() could not deliver every message within its timeout; "
+                f"a subscriber of {', '.join(self.endpoints)} is too slow or gone"))
+        resent = time.monotonic()
+        while (awaited := self._awaited_runs()) and time.monotonic() < self._close_deadline:
+            if sock.poll(20, zmq.POLLIN):
+                self._read_subscriptions(sock)
+            if time.monotonic() - resent >= _RESEND_INTERVAL:  # a copy may have been lost on the way
+                self._resend.update(awaited)
+                resent = time.monotonic()
+            if self._resend:
+                self._send_run_ends(sock, self._resend)
+        if self._awaited_runs():
+            self._fail(SendTimeoutError(
+                f"{self.name}: close(): a subscriber of {', '.join(self.endpoints)} did not confirm "
+                f"the end of run(s) {sorted(self._awaited_runs())} within the timeout; it is too "
+                f"slow or gone"))
 
     def _read_subscriptions(self, sock: zmq.Socket[Any]) -> None:
         while int(sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
             event: bytes = sock.recv(zmq.NOBLOCK)
-            if event[1:].startswith(SUBSCRIBER_HELLO):
+            subscribe, body = event[:1] == b"\x01", event[1:]
+            if body.startswith(SUBSCRIBER_HELLO):
+                ident, limit = _parse_hello(body)
                 with self._cond:
-                    if event[:1] == b"\x01":
-                        self._subscribers.add(event[1:])
+                    if not subscribe:
+                        self._subscribers.pop(ident, None)
                     else:
-                        self._subscribers.discard(event[1:])
-                        for waiting in self._unacked.values():
-                            waiting.discard(event[1:])
+                        if ident in self._known and ident not in self._subscribers:  # it is back
+                            self._resend.update(r for r, end in self._ends.items() if ident in end.waiting)
+                        self._subscribers[ident] = limit
+                        self._known.add(ident)
+                    limits = [n for n in self._subscribers.values() if n is not None]
+                    if self.max_message_size is not None:
+                        limits.append(self.max_message_size)
+                    self._limit = min(limits, default=None)
                     self._cond.notify_all()
-            elif event[:1] == b"\x01" and event[1:].startswith(SUBSCRIBER_ACK):
-                pub, _, rest = event[1 + len(SUBSCRIBER_ACK):].decode(errors="replace").partition("/")
+            elif subscribe and body.startswith(SUBSCRIBER_ACK):
+                pub, _, rest = body[len(SUBSCRIBER_ACK):].decode(errors="replace").partition("/")
                 run, _, sub = rest.rpartition("/")
                 if pub == self.id:
                     with self._cond:
-                        self._unacked.get(run, set()).discard(SUBSCRIBER_HELLO + sub.encode())
+                        end = self._ends.get(run)
+                        if end is not None:
+                            end.waiting.discard(sub.encode())
+                            if not end.waiting:
+                                del self._ends[run]
                         self._cond.notify_all()
 
-    def _awaiting_acks(self) -> bool:
-        """Whether a connected subscriber has not yet confirmed a RunEnd sent to it."""
+    def _awaited_runs(self) -> set[str]:
+        """Runs whose RunEnd a live subscriber has not confirmed yet."""
         with self._cond:
-            for run in [r for r, subs in self._unacked.items() if not subs & self._subscribers]:
-                del self._unacked[run]
-            return bool(self._unacked)
+            live = self._subscribers.keys()
+            return {run for run, end in self._ends.items() if not end.waiting.isdisjoint(live)}
+
+    def _send_run_ends(self, sock: zmq.Socket[Any], runs: set[str]) -> None:
+        """Send the RunEnd of ``runs`` again (never blocking: a full queue means the subscriber
+        has not read the first copy yet); those not sent stay in ``runs``."""
+        for run in sorted(runs):
+            with self._cond:
+                end = self._ends.get(run)
+            if end is not None:
+                try:
+                    with translate_zmq_errors(f"send on {', '.join(self.endpoints)}"):
+                        sock.send_multipart([_TOPIC_RUN_END, end.header], zmq.NOBLOCK)
+                except zmq.Again:
+                    continue
+                self._resent += 1
+            runs.discard(run)
 
     def _send(self, sock: zmq.Socket[Any], item: Staged) -> None:
+        slot = item.slot
+        limit = self._limit
+        if limit is not None and item.nbytes > limit:
+            self._send_drops += 1
+            self._oversized += 1
+            if self.policy == "block":
+                self._fail(WireFormatError(
+                    "too large", f"{self.name}: a message of {item.nbytes} bytes on topic "
+                                 f"{item.topic.decode()!r} exceeds max_message_size={limit} (this "
+                                 f"publisher's or a subscriber's); not sent (message lost)"))
+            if slot is not None:
+                self._ring.release(slot, None)
+            return
         frames: list[Any] = [item.topic, item.header]
         trackers: list[zmq.Frame] = []
-        slot = item.slot
         if slot is not None:
             if item.event is not None:
                 item.event.synchronize()
@@ -332,26 +534,32 @@ class ZmqPublisher:
             self._send_drops += 1
             if blocking:
                 self._timeouts += 1
-                limit = "the close() timeout" if self._closing else f"send_timeout={self.send_timeout} s"
-                self._error = SendTimeoutError(
+                limit_text = "the close() timeout" if self._closing else f"send_timeout={self.send_timeout} s"
+                self._fail(SendTimeoutError(
                     f"{self.name}: a message on topic {item.topic.decode()!r} could not be sent within "
-                    f"{limit}; a subscriber of {', '.join(self.endpoints)} "
-                    f"is too slow or gone (message lost)")
+                    f"{limit_text}; a subscriber of {', '.join(self.endpoints)} "
+                    f"is too slow or gone (message lost)"))
             trackers = []
         else:
             self._sent += 1
             self._bytes += item.nbytes
+        if item.topic == _TOPIC_RUN_END:  # sent, or to be sent again: subscribers confirm it
+            with self._cond:
+                self._ends[item.run] = _PendingEnd(item.header, set(self._known))
+                while len(self._ends) > _MAX_PENDING_ENDS:
+                    del self._ends[next(iter(self._ends))]
         if slot is not None:
             self._ring.release(slot, zmq.MessageTracker(*trackers) if trackers else None)
 
     # -- control ---------------------------------------------------------------------------
 
     def wait_for_subscribers(self, n: int = 1, timeout: float = 10.0) -> None:
-        """Block until ``n`` :class:`broker.Subscriber` instances have joined (their topic
+        """Block until ``n`` live :class:`broker.Subscriber` instances have joined (their topic
         subscriptions are in place), so nothing published afterwards is lost to the slow joiner.
+        Subscribers that have gone away do not count.
 
         Raises:
-            SubscriberTimeoutError: Fewer than ``n`` joined within ``timeout`` seconds.
+            SubscriberTimeoutError: Fewer than ``n`` were joined within ``timeout`` seconds.
         """
         deadline = time.monotonic() + timeout
         with self._cond:
@@ -376,9 +584,10 @@ class ZmqPublisher:
 
     def _released(self, deadline: float) -> bool:
         for slot in self._ring.slots:
-            if slot.tracker is not None:
+            tracker = slot.tracker
+            if tracker is not None:
                 try:
-                    slot.tracker.wait(max(deadline - time.monotonic(), 0.0))
+                    tracker.wait(max(deadline - time.monotonic(), 0.0))
                 except zmq.NotDone:
                     return False
         return True
@@ -389,19 +598,26 @@ class ZmqPublisher:
             queued, subscribers = len(self._queue), len(self._subscribers)
         return PublisherStatistics(
             published=self._published, messages=self._sent, bytes=self._bytes,
-            drops=self._ring_drops + self._send_drops, peak_queue=self._peak, queued=queued,
-            subscribers=subscribers, send_timeouts=self._timeouts, closed=self._closed)
+            drops=self._ring_drops + self._send_drops, failed=self._failed_here + self._failed_sender,
+            oversized=self._oversized, peak_queue=self._peak, queued=queued, subscribers=subscribers,
+            send_timeouts=self._ring_timeouts + self._timeouts, resent_run_ends=self._resent,
+            closed=self._closed)
 
     def close(self, timeout: float | None = None) -> None:
         """Deliver everything already published, send ``RunEnd`` for every run that has not sent
-        one, and close the sockets. Idempotent.
+        one, wait until every live subscriber has confirmed each ``RunEnd``, and close the
+        sockets. Idempotent.
 
         Args:
             timeout: Seconds allowed for the flush (default ``send_timeout``).
 
         Raises:
-            SendTimeoutError: ``block`` policy: some messages could not be delivered in time
-                (the publisher is closed anyway).
+            SendTimeoutError: ``block`` policy: messages were lost to send timeouts during the
+                publisher's life (even if already raised once), or could not be delivered (or
+                confirmed) in time now. The publisher is closed anyway.
+            WireFormatError: ``block`` policy, reason ``"too large"``: messages over the message
+                size limit were dropped, and nothing else was lost.
+            TransportError: The sender thread failed (either policy).
         """
         if self._closed:
             return
@@ -412,8 +628,8 @@ class ZmqPublisher:
                 try:
                     self._forward(RunEnd(run, seq + 1, step, info.num_worlds, info.device, info.schema,
                                          info.metadata))
-                except SendTimeoutError as exc:
-                    self._error = exc
+                except BrokerError as exc:
+                    self._fail(exc)
         flush = self.send_timeout if timeout is None else timeout
         with self._cond:
             self._close_deadline = time.monotonic() + flush
@@ -421,10 +637,30 @@ class ZmqPublisher:
             self._cond.notify_all()
         self._thread.join(flush + 5.0)
         self._teardown(linger=None if not self._thread.is_alive() else 0)
-        error = self._error if self.policy == "block" else None
-        self._error = None
+        error = self._close_error()
         if error is not None:
             raise error
+
+    def _close_error(self) -> BrokerError | None:
+        """What close() raises: pending errors first; in ``block`` policy any loss at all."""
+        error = self._take_errors()
+        if self.policy == "drop":  # drops are expected there; a broken sender is not
+            return error if isinstance(error, TransportError) else None
+        stats = self.statistics()
+        lost = stats.drops + stats.failed
+        if not lost:
+            return error
+        summary = (f"{self.name}: {lost} of {stats.published} message(s) were lost ({stats.send_timeouts} "
+                   f"send timeout(s), {stats.oversized} over the message size limit, {stats.failed} "
+                   f"failed); subscribers report them as gaps")
+        if error is not None:
+            error.add_note(summary)
+            return error
+        if stats.send_timeouts:
+            return SendTimeoutError(summary)
+        if stats.oversized:
+            return WireFormatError("too large", summary)
+        return TransportError(summary)
 
     def _teardown(self, linger: int | None) -> None:
         if self._auth is not None:

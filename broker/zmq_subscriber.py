@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import threading
 import time
@@ -10,9 +11,10 @@ import uuid
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType, TracebackType
-from typing import Any
+from typing import Any, Final
 
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from .errors import BrokerClosedError, WireFormatError, translate_zmq_errors
 from .messages import TOPIC_RUN_END, Message, RunEnd
@@ -21,15 +23,18 @@ from .wire import (
     DEFAULT_MAX_HEADER_SIZE,
     DEFAULT_MAX_MESSAGE_SIZE,
     SUBSCRIBER_ACK,
-    SUBSCRIBER_HELLO,
     decode_envelope,
 )
-from .zmq_publisher import DEFAULT_ENDPOINT
+from .zmq_publisher import DEFAULT_ENDPOINT, hello_subscription
 
 __all__ = ["Gap", "Subscriber", "SubscriberStatistics"]
 
 _log = logging.getLogger("worldtap.broker.zmq")
-_SLICE = 0.05  # seconds between checks for close() while a receive blocks
+_SLICE: Final = 0.05  # seconds between checks for close() while a receive blocks
+_ENDED_RUNS: Final = 4096  # ended (publisher, run) streams remembered, to reject replays
+_RETRY_GRACE: Final = 0.5  # seconds ZeroMQ has to start reconnecting a dropped connection itself
+_WATCHED: Final = (zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED | zmq.EVENT_CONNECT_DELAYED
+                   | zmq.EVENT_CONNECTED)
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,10 +69,15 @@ class SubscriberStatistics:
     Attributes:
         received: Messages decoded and returned.
         bytes: Bytes received, good and bad.
-        bad_messages: Messages that failed to decode (skipped).
+        bad_messages: Messages that failed to decode, or were larger than ``max_message_size``
+            (reason ``"too large"``); skipped.
         bad_reasons: ``WireFormatError.reason`` -> count.
         gaps: Gaps reported.
         missing: Messages lost in those gaps, in total.
+        duplicates: Messages whose wire number was not new in their stream (a replay, a copy,
+            or a message older than a reported gap); skipped, never returned.
+        reconnects: Connections to publishers that ZeroMQ dropped for good (a frame over
+            ``max_message_size``) and the subscriber connected again.
         publishers: Distinct publishers heard from.
         closed: Whether ``close()`` was called.
     """
@@ -78,6 +88,8 @@ class SubscriberStatistics:
     bad_reasons: Mapping[str, int]
     gaps: int
     missing: int
+    duplicates: int
+    reconnects: int
     publishers: int
     closed: bool
 
@@ -90,7 +102,26 @@ class Subscriber:
     raised. Every ``(publisher, run, topic)`` stream is numbered by its publisher, so a lost
     message comes back as a :class:`Gap` before the next message of its stream (and losses at a
     stream's tail as gaps before ``run/end``), whatever prefixes were chosen. A new run or a
-    restarted publisher starts new streams and is not a gap; joining a stream late is one.
+    restarted publisher starts new streams and is not a gap; joining a stream late is one. A
+    message whose number is not new in its stream (a replayed or duplicated message, or one
+    older than a gap already reported) is counted as a duplicate and skipped; the streams of
+    the last few thousand ended runs are remembered for this.
+
+    Each ``RunEnd`` received is confirmed to its publisher, whose ``close()`` waits for the
+    confirmation; a publisher sends an unconfirmed ``RunEnd`` again, and the copies are skipped
+    (and confirmed again).
+
+    Size: a message larger than ``max_message_size`` (all its frames together) is received
+    frame by frame, let go of frame by frame, counted (reason ``"too large"``) and its number
+    becomes a gap. ZeroMQ itself drops the connection of a peer that sends a single frame
+    larger than that (``MAXMSGSIZE``, the memory bound); worldtap publishers learn this
+    subscriber's limit when it joins and never send such a message, and should another sender
+    do it, a connecting subscriber connects again and the messages lost with the connection
+    show up as gaps.
+
+    Liveness: the subscriber pings its publishers (ZMTP heartbeats) and asks them to treat it
+    as gone after ``heartbeat`` seconds of silence, so a publisher stops counting (and waiting
+    for) a subscriber whose process or host died without closing its connections.
 
     A *bound* subscriber sends its subscriptions to a publisher that connects to it only while
     it is inside ``recv`` (ZeroMQ processes socket commands in the owner's calls), so keep
@@ -101,11 +132,13 @@ class Subscriber:
         topics: Topic prefixes to receive (``""``: all).
         bind: Connect (default) or bind the endpoints (a daemon that publishers connect to).
         curve: Client key pair and the publisher's public key; ``None`` for plain text.
-        max_message_size: Largest accepted frame and message in bytes (ZeroMQ MAXMSGSIZE
-            disconnects a peer that sends a larger frame).
+        max_message_size: Largest accepted message (topic, header and frames) in bytes; also
+            the socket's ``MAXMSGSIZE`` and the limit announced to publishers.
         max_header_size: Largest accepted msgpack header in bytes.
         hwm: ZeroMQ receive high-water mark: at most this many messages wait in memory for
             ``recv`` (with a lossless publisher, a full queue slows the publisher down).
+        heartbeat: Seconds of silence after which publishers drop this subscriber's connection
+            (ZMTP heartbeat TTL; it pings every ``heartbeat / 5`` seconds, at most 1 s apart).
     """
 
     def __init__(
@@ -118,12 +151,15 @@ class Subscriber:
         max_message_size: int = DEFAULT_MAX_MESSAGE_SIZE,
         max_header_size: int = DEFAULT_MAX_HEADER_SIZE,
         hwm: int = 16,
+        heartbeat: float = 10.0,
     ) -> None:
         if isinstance(topics, str) or not all(isinstance(t, str) for t in topics):
             raise TypeError(f"topics: expected a sequence of str prefixes, got {topics!r}")
         for name, value in (("max_message_size", max_message_size), ("max_header_size", max_header_size)):
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name}: expected a positive int, got {value!r}")
+        if not 0.1 <= heartbeat <= 3600:
+            raise ValueError(f"heartbeat: expected seconds in [0.1, 3600], got {heartbeat!r}")
         self.id = uuid.uuid4().hex[:16]
         self.topics = tuple(topics)
         self.max_message_size = max_message_size
@@ -131,32 +167,50 @@ class Subscriber:
         self._prefixes = tuple(t.encode() for t in self.topics)
         self._lock = threading.RLock()
         self._pending: collections.deque[Message | Gap] = collections.deque()
+        # (publisher, run) -> topic -> next expected wire number; ended runs move to _ended.
         self._next: dict[tuple[str, str], dict[str, int]] = {}
+        self._ended: collections.OrderedDict[tuple[str, str], dict[str, int]] = collections.OrderedDict()
         self._publishers: set[str] = set()
         self._reasons: dict[str, int] = {}
-        self._received = self._bytes = self._gaps = self._missing = 0
+        self._received = self._bytes = self._gaps = self._missing = self._duplicates = self._reconnects = 0
         self._closed = False
         requested = [endpoints] if isinstance(endpoints, str) else list(endpoints)
+        self._connected = [] if bind else requested  # endpoints to connect again if ZeroMQ gives up
+        self._dropped: dict[str, float] = {}  # monitor endpoint -> when to reconnect it ourselves
+        self._seen: set[str] = set()  # endpoint names the monitor reported
+        self._monitor: zmq.Socket[Any] | None = None
         self._ctx: zmq.Context[Any] = zmq.Context()
         try:
-            self._socket = self._open(requested, bind, curve, hwm)
+            self._socket = self._open(requested, bind, curve, hwm, heartbeat)
         except BaseException:
             self._ctx.destroy(linger=0)
             raise
 
-    def _open(self, endpoints: list[str], bind: bool, curve: CurveClient | None, hwm: int) -> zmq.Socket[Any]:
+    def _open(self, endpoints: list[str], bind: bool, curve: CurveClient | None, hwm: int,
+              heartbeat: float) -> zmq.Socket[Any]:
         with translate_zmq_errors("create SUB socket"):
             sock: zmq.Socket[Any] = self._ctx.socket(zmq.SUB)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.RCVHWM, hwm)
-        sock.setsockopt(zmq.MAXMSGSIZE, self.max_message_size)
+        # Heartbeats prove this process alive to publishers (its I/O thread pings even while
+        # recv is not called); it never times publishers out itself (HEARTBEAT_TIMEOUT 0): while
+        # its queue is full it reads nothing, not even their answers.
+        for option, value in ((zmq.LINGER, 0), (zmq.RCVHWM, hwm), (zmq.MAXMSGSIZE, self.max_message_size),
+                              (zmq.HEARTBEAT_IVL, max(50, min(1000, int(heartbeat * 200)))),
+                              (zmq.HEARTBEAT_TTL, int(heartbeat * 1000)), (zmq.HEARTBEAT_TIMEOUT, 0)):
+            sock.setsockopt(option, value)
         if curve is not None:
             curve.apply(sock)
         # Topic subscriptions first, the hello last: when a publisher sees the hello, the
         # subscriptions before it are in place (wait_for_subscribers relies on it).
-        for prefix in (*self._prefixes, TOPIC_RUN_END.encode(), SUBSCRIBER_HELLO + self.id.encode()):
+        for prefix in (*self._prefixes, TOPIC_RUN_END.encode(), hello_subscription(self.id, self.max_message_size)):
             sock.setsockopt(zmq.SUBSCRIBE, prefix)
-        self.endpoints = attach(sock, endpoints, bind=bind, encrypted=curve is not None, owner="Subscriber")
+        if not bind:  # ZeroMQ does not reconnect after a protocol error (an oversized frame)
+            self._monitor = sock.get_monitor_socket(_WATCHED)
+        try:
+            self.endpoints = attach(sock, endpoints, bind=bind, encrypted=curve is not None, owner="Subscriber")
+        except BaseException:
+            if self._monitor is not None:
+                self._monitor.close(linger=0)
+            raise
         return sock
 
     def recv(self, timeout: float | None = None) -> Message | Gap | None:
@@ -176,8 +230,10 @@ class Subscriber:
                     return self._pending.popleft()
                 remaining = _SLICE if deadline is None else min(max(deadline - time.monotonic(), 0.0), _SLICE)
                 with translate_zmq_errors(f"receive on {', '.join(self.endpoints)}"):
+                    if self._monitor is not None:
+                        self._watch(self._monitor)
                     frames = self._recv(remaining)
-                if frames is not None:
+                if frames:
                     self._handle(frames)
                     if self._pending:
                         return self._pending.popleft()
@@ -185,12 +241,56 @@ class Subscriber:
                 return None
 
     def _recv(self, timeout: float) -> list[Any] | None:
+        """The frames of the next message (``[]`` if it was too large), or ``None``."""
+        sock = self._socket
         try:  # the common case under load: a message is already queued
-            return self._socket.recv_multipart(zmq.NOBLOCK, copy=False)
+            frame = sock.recv(zmq.NOBLOCK, copy=False)
         except zmq.Again:
-            if not self._socket.poll(int(timeout * 1000)):
+            if not sock.poll(int(timeout * 1000)):
                 return None
-        return self._socket.recv_multipart(zmq.NOBLOCK, copy=False)
+            frame = sock.recv(zmq.NOBLOCK, copy=False)
+        frames = [frame]
+        size, limit = len(frame), self.max_message_size
+        while frame.more:  # the parts of a message arrive together
+            frame = sock.recv(zmq.NOBLOCK, copy=False)
+            size += len(frame)
+            if size <= limit:
+                frames.append(frame)
+            elif frames:  # never hold more than the limit: let go of the parts as they come
+                frames = []
+        self._bytes += size
+        if size > limit:
+            self._bad(WireFormatError("too large", f"message of at least {size} bytes exceeds "
+                                                   f"max_message_size={limit}"))
+        return frames
+
+    def _watch(self, monitor: zmq.Socket[Any]) -> None:
+        """Connect again to an endpoint whose connection ZeroMQ dropped and does not retry."""
+        while int(monitor.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
+            event: Any = recv_monitor_message(monitor, zmq.NOBLOCK)
+            where = bytes(event["endpoint"]).decode(errors="replace")
+            self._seen.add(where)
+            if event["event"] == zmq.EVENT_DISCONNECTED:
+                self._dropped[where] = time.monotonic() + _RETRY_GRACE
+            else:  # ZeroMQ is connecting again itself
+                self._dropped.pop(where, None)
+        if not self._dropped:
+            return
+        now = time.monotonic()
+        for where, due in list(self._dropped.items()):
+            if now < due:
+                continue
+            del self._dropped[where]
+            # The monitor names an endpoint as ZeroMQ resolved it ("localhost" -> 127.0.0.1).
+            targets = [ep for ep in self._connected if ep == where] or [
+                ep for ep in self._connected if ep not in self._seen]
+            for ep in targets:
+                _log.warning("Subscriber: the connection to %r was dropped (a frame over "
+                             "max_message_size=%d?); connecting again", ep, self.max_message_size)
+                with contextlib.suppress(zmq.ZMQError):  # ZeroMQ may have forgotten it already
+                    self._socket.disconnect(ep)
+                self._socket.connect(ep)
+                self._reconnects += 1
 
     def __iter__(self) -> Iterator[Message | Gap]:
         """Messages and gaps as they arrive, until the subscriber is closed (from any thread)."""
@@ -203,33 +303,57 @@ class Subscriber:
                 yield item
 
     def _handle(self, frames: list[Any]) -> None:
-        self._bytes += sum(len(f) for f in frames)
         try:
             decoded = decode_envelope(frames, max_header_size=self.max_header_size,
                                       max_message_size=self.max_message_size)
         except WireFormatError as exc:
-            count = self._reasons.get(exc.reason, 0)
-            self._reasons[exc.reason] = count + 1
-            (_log.warning if count == 0 else _log.debug)("Subscriber: skipped a bad message: %s", exc)
+            self._bad(exc)
             return
-        message, pub = decoded.message, decoded.publisher
+        message, pub, number = decoded.message, decoded.publisher, decoded.number
+        run, topic = message.run, message.topic
         self._publishers.add(pub)
-        wanted = message.topic.encode().startswith(self._prefixes)
-        streams = self._next.setdefault((pub, message.run), {})
+        key = (pub, run)
+        streams = self._next.get(key)
+        if streams is None:  # a new stream, or an ended one (only numbers beyond its end reopen it)
+            streams = self._ended.get(key, {})
+        expected = streams.get(topic, 0)
+        if number < expected:  # seen, or older than a gap already reported: never delivered twice
+            self._duplicates += 1
+            _log.debug("Subscriber: skipped a duplicate: number %d on %r of run %r (expected %d)",
+                       number, topic, run, expected)
+            if isinstance(message, RunEnd):
+                self._confirm(pub, run)  # the publisher missed the first confirmation
+            return
+        if key not in self._next:
+            self._next[key] = streams
+            self._ended.pop(key, None)
+        wanted = topic.encode().startswith(self._prefixes)
         if wanted:
-            self._check(pub, message.run, message.topic, streams.get(message.topic, 0), decoded.number)
-        streams[message.topic] = decoded.number + 1
+            self._check(pub, run, topic, expected, number)
+        streams[topic] = number + 1
         if isinstance(message, RunEnd):
-            for topic, count in decoded.streams.items():
-                if topic.encode().startswith(self._prefixes):
-                    self._check(pub, message.run, topic, streams.get(topic, 0), count)
-            del self._next[(pub, message.run)]
-            ack = SUBSCRIBER_ACK + f"{pub}/{message.run}/{self.id}".encode()
-            self._socket.setsockopt(zmq.SUBSCRIBE, ack)  # tells the publisher it may disconnect
-            self._socket.setsockopt(zmq.UNSUBSCRIBE, ack)
+            for name, count in decoded.streams.items():
+                if name.encode().startswith(self._prefixes):
+                    self._check(pub, run, name, streams.get(name, 0), count)
+                streams[name] = max(streams.get(name, 0), count)
+            self._ended[key] = self._next.pop(key)
+            while len(self._ended) > _ENDED_RUNS:
+                self._ended.popitem(last=False)
+            self._confirm(pub, run)
         if wanted:
             self._received += 1
             self._pending.append(message)
+
+    def _bad(self, exc: WireFormatError) -> None:
+        count = self._reasons.get(exc.reason, 0)
+        self._reasons[exc.reason] = count + 1
+        (_log.warning if count == 0 else _log.debug)("Subscriber: skipped a bad message: %s", exc)
+
+    def _confirm(self, pub: str, run: str) -> None:
+        """Tell publisher ``pub`` that its RunEnd of ``run`` arrived (it may disconnect)."""
+        ack = SUBSCRIBER_ACK + f"{pub}/{run}/{self.id}".encode()
+        self._socket.setsockopt(zmq.SUBSCRIBE, ack)
+        self._socket.setsockopt(zmq.UNSUBSCRIBE, ack)
 
     def _check(self, pub: str, run: str, topic: str, expected: int, received: int) -> None:
         if received > expected:
@@ -245,6 +369,7 @@ class Subscriber:
         return SubscriberStatistics(
             received=self._received, bytes=self._bytes, bad_messages=sum(reasons.values()),
             bad_reasons=MappingProxyType(reasons), gaps=self._gaps, missing=self._missing,
+            duplicates=self._duplicates, reconnects=self._reconnects,
             publishers=len(self._publishers), closed=self._closed)
 
     def close(self) -> None:
@@ -254,6 +379,9 @@ class Subscriber:
             if self._closed:
                 return
             self._closed = True
+            if self._monitor is not None:
+                self._socket.disable_monitor()
+                self._monitor.close(linger=0)
             self._socket.close(linger=0)
             self._ctx.term()
 

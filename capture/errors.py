@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import broker
+
 __all__ = [
     "CaptureError",
     "RecorderClosedError",
@@ -20,8 +22,11 @@ class SelectorError(CaptureError, ValueError):
     """A world selector was out of range, duplicated, of the wrong dtype or length."""
 
 
-class SchemaError(CaptureError, ValueError):
-    """A batch's fields differ from the schema its topic established with its first batch."""
+class SchemaError(CaptureError, broker.SchemaError):
+    """A batch's fields differ from the schema its topic established with its first batch.
+
+    Also a :class:`broker.SchemaError` (and so a ``ValueError``): ``except broker.SchemaError``
+    catches the recorder's schema errors as well as retention's and the daemon's."""
 
 
 class TermError(CaptureError, ValueError):

@@ -1,6 +1,6 @@
 """worldtap.consumers: things that consume the stream (retention, live statistics, analysis)."""
 
-from .errors import ConsumersError, RetentionError, SampleTableError
+from .errors import ConsumersError, RetentionError, RetentionSchemaError, SampleTableError
 from .live_stats import FieldStatistics, LiveStatistics, LiveSummary
 from .retention import FinishedEpisode, Retention, RetentionStatistics
 from .sample_table import OUTCOME_COLUMNS, SampleArrays, SampleTable
@@ -14,6 +14,7 @@ __all__ = [
     "LiveSummary",
     "Retention",
     "RetentionError",
+    "RetentionSchemaError",
     "RetentionStatistics",
     "SampleArrays",
     "SampleTable",

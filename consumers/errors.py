@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-__all__ = ["ConsumersError", "RetentionError", "SampleTableError"]
+import broker
+
+__all__ = ["ConsumersError", "RetentionError", "RetentionSchemaError", "SampleTableError"]
 
 
 class ConsumersError(Exception):
@@ -10,7 +12,15 @@ class ConsumersError(Exception):
 
 
 class RetentionError(ConsumersError, ValueError):
-    """A batch does not fit the retention buffers (unknown worlds, changed schema, ...)."""
+    """A batch does not fit the retention buffers (unknown worlds, changed schema, ...) or a
+    request names an unknown world or term."""
+
+
+class RetentionSchemaError(RetentionError, broker.SchemaError):
+    """A batch's fields differ from the schema its topic's buffers were allocated for (checked
+    by name: a missing or extra field, another dtype, per-world shape or leading dimension).
+
+    Also a :class:`broker.SchemaError`, so ``except broker.SchemaError`` catches it."""
 
 
 class SampleTableError(ConsumersError, ValueError):

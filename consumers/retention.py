@@ -7,10 +7,10 @@ from dataclasses import dataclass
 
 import torch
 
-from broker import Batch, Broker, EpisodeEnd, Message, RunStart, Subscription
+from broker import Batch, Broker, EpisodeEnd, Message, RunStart, SchemaError, Subscription, TopicSchema
 
 from ._buffers import PerWorldBuffer, SharedAxisBuffer
-from .errors import RetentionError
+from .errors import RetentionError, RetentionSchemaError
 
 __all__ = ["FinishedEpisode", "Retention", "RetentionStatistics"]
 
@@ -51,11 +51,15 @@ class Retention:
 
     Subscribe it to a broker (``retention.attach(broker)``, or subscribe it to ``""``). Every
     :class:`broker.Batch` is copied into one ``[capacity, worlds, ...]`` tensor per field on the
-    batch's device (the published tensors stay borrowed: nothing of them is referenced after
-    the call). Topics recorded every step share one time axis (one contiguous copy per field
-    per step); topics recorded only at resets keep per-world counters. Capacity starts at
+    batch's device. The published tensors stay borrowed: nothing of them, the ``worlds`` index
+    included, is referenced after the call, so a publisher may refill any of them in place.
+    Each topic's schema (a :class:`broker.TopicSchema`) is fixed by its first batch and later
+    batches are checked against it and copied by field name, in whatever order their mapping
+    has the fields. Topics recorded every step share one time axis (one contiguous copy per
+    field per step); topics recorded only at resets keep per-world counters. Capacity starts at
     ``initial_capacity`` and grows geometrically; a reset reuses the rows of the worlds it
-    ended. No Python loop over worlds runs on the append path.
+    ended. No Python loop over worlds runs on the append path, and it reads the device (a CUDA
+    sync) at most once per ``capacity / 2`` appends of a topic.
 
     ``episode(world)`` returns an owned snapshot of the world's current episode. With a
     ``sink``, each finished episode is snapshotted when its :class:`broker.EpisodeEnd` arrives
@@ -94,8 +98,6 @@ class Retention:
         self.skip_empty = skip_empty
         self.run: str | None = None
         self._topics: dict[str, SharedAxisBuffer | PerWorldBuffer] = {}
-        self._full_worlds: torch.Tensor | None = None
-        self._arange: torch.Tensor | None = None
         self._batches = 0
         self._finished = 0
         self._sunk = 0
@@ -119,38 +121,48 @@ class Retention:
 
     # -- append path ---------------------------------------------------------------------
 
-    def _is_full(self, worlds: torch.Tensor, n: int) -> bool:
-        if worlds is self._full_worlds:
-            return True
-        if worlds.shape[0] != n:
-            return False
-        if self._arange is None or self._arange.device != worlds.device:
-            self._arange = torch.arange(n, device=worlds.device)
-        if torch.equal(worlds, self._arange):
-            self._full_worlds = worlds  # the recorder passes the same all-worlds tensor each step
-            return True
-        return False
-
     def append(self, batch: Batch) -> None:
-        """Copy ``batch`` into the buffers of its topic."""
+        """Copy ``batch`` into the buffers of its topic (``batch`` stays borrowed).
+
+        Raises:
+            RetentionError: The number of worlds is unknown, or ``batch.worlds`` is not a 1-D
+                integer index of at most ``num_worlds`` worlds.
+            RetentionSchemaError: The fields differ from the topic's schema (by name, dtype,
+                per-world shape or leading dimension).
+        """
         if self.num_worlds is None:
             raise RetentionError(
                 f"topic {batch.topic!r}: the number of worlds is unknown; pass num_worlds= or "
                 "attach before the run starts"
             )
         n = self.num_worlds
+        worlds = batch.worlds
+        dtype = worlds.dtype
+        if (worlds.dim() != 1 or worlds.shape[0] > n or dtype.is_floating_point or dtype.is_complex
+                or dtype == torch.bool):
+            raise RetentionError(
+                f"topic {batch.topic!r}: expected worlds as a 1-D integer index of at most {n} worlds, "
+                f"got dtype {worlds.dtype} shape {tuple(worlds.shape)}"
+            )
         if self.run is None:
             self.run = batch.run
         buf = self._topics.get(batch.topic)
         if buf is None:
             if not batch.fields:
                 return
+            try:
+                schema = TopicSchema.of(batch.fields, topic=batch.topic)
+            except SchemaError as exc:
+                raise RetentionSchemaError(str(exc)) from exc
             cls = PerWorldBuffer if batch.hook in _RESET_HOOKS else SharedAxisBuffer
-            buf = self._topics[batch.topic] = cls(batch.topic, n, self.initial_capacity,
-                                                   batch.fields, self.growth)
-        capacity = buf.capacity
-        buf.append(batch.worlds, batch.fields, self._is_full(batch.worlds, n))
-        self._grows += buf.capacity != capacity
+            device = batch.fields[schema.names[0]].device
+            buf = cls(batch.topic, schema, n, self.initial_capacity, device, self.growth)
+            buf.append(worlds.to(device=buf.device, dtype=torch.int64), batch.fields)
+            self._topics[batch.topic] = buf  # only once its first batch fitted
+        else:
+            capacity = buf.capacity
+            buf.append(worlds.to(device=buf.device, dtype=torch.int64), batch.fields)
+            self._grows += buf.capacity != capacity
         self._batches += 1
 
     # -- episodes ------------------------------------------------------------------------
@@ -175,7 +187,7 @@ class Retention:
                                           int(length), data))
                 self._sunk += 1
         for buf in self._topics.values():
-            buf.restart(worlds.to(buf.device))
+            buf.restart(worlds.to(device=buf.device, dtype=torch.int64))
 
     def episode(self, world: int) -> EpisodeData:
         """An owned snapshot of ``world``'s current episode: term -> field -> ``[T, ...]``.
@@ -188,13 +200,24 @@ class Retention:
         return {topic.removeprefix("batch/"): buf.read(int(world)) for topic, buf in self._topics.items()}
 
     def episode_length(self, world: int, term: str) -> int:
-        """Rows retained for ``world`` in term ``term`` (one device read)."""
-        return self._topics[f"batch/{term}"].length(int(world))
+        """Rows retained for ``world`` in term ``term`` (a device read).
+
+        Raises:
+            RetentionError: ``world`` is out of range or no batch of ``term`` was retained.
+        """
+        if self.num_worlds is None or not 0 <= int(world) < self.num_worlds:
+            raise RetentionError(f"world: expected an index in [0, {self.num_worlds}), got {world!r}")
+        buf = self._topics.get(f"batch/{term}")
+        if buf is None:
+            raise RetentionError(f"term: expected one of {sorted(t.removeprefix('batch/') for t in self._topics)}, "
+                                 f"got {term!r}")
+        return buf.length(int(world))
 
     def reset(self, worlds: torch.Tensor | None = None) -> None:
         """Drop the retained rows of ``worlds`` (all when ``None``) without a sink call."""
         for buf in self._topics.values():
-            idx = torch.arange(buf.num_worlds, device=buf.device) if worlds is None else worlds.to(buf.device)
+            idx = (torch.arange(buf.num_worlds, device=buf.device) if worlds is None
+                   else worlds.to(device=buf.device, dtype=torch.int64))
             buf.restart(idx)
 
     @property

@@ -1,20 +1,24 @@
 """worldtap.storage: the storage daemon, the Zarr run-store writer and reader, and its CLI.
 
+The path of a message, in module order: receive (:mod:`storage.daemon`, :mod:`storage.cli`,
+:mod:`storage.status`) -> assemble (:mod:`storage.assembly`, :mod:`storage.episode_buffers`) ->
+write (:mod:`storage.write_queue`, :mod:`storage.run_writer`) -> read (:mod:`storage.reader`).
 Layout of a run store: see ``storage/LAYOUT.md``.
 """
 
+from .assembly import ExportMode, RejectedMessage
 from .daemon import DaemonStatistics, StoreDaemon, failed_store_location
 from .errors import (
     EpisodeNotFoundError,
     RunNotFoundError,
     StorageError,
+    StoreDamagedError,
     StoreFormatError,
     StoreLockedError,
 )
 from .lock import StoreLease, StoreLock
 from .reader import RunStore, Table
-from .run_state import ExportMode, RejectedMessage
-from .zarr_store import EpisodeRows, RunStoreWriter, RunWriter
+from .run_writer import EpisodeRows, RunStoreWriter, RunWriter
 
 __all__ = [
     "DaemonStatistics",
@@ -28,6 +32,7 @@ __all__ = [
     "RunWriter",
     "StorageError",
     "StoreDaemon",
+    "StoreDamagedError",
     "StoreFormatError",
     "StoreLease",
     "StoreLock",

@@ -2,14 +2,19 @@
 
 ``worldtap-store [STORE] --connect tcp://127.0.0.1:5555`` subscribes to publishers and
 writes their runs into STORE; ``worldtap-store info STORE`` lists the runs of a store.
-SIGINT and SIGTERM commit every complete episode and exit 0. Exit codes: 0 done, 2 usage
-error, 3 the store is locked or is not a run store, 1 anything else.
+SIGINT and SIGTERM commit every complete episode and exit 0.
+
+Exit codes (every error is one line on stderr): 0 done; 1 an unexpected error; 2 usage error
+(a bad option value); 3 the store is locked, is not a run store, or cannot be opened; 4 a run
+failed to write (the daemon served the other runs; the failed ones stay at their last commit);
+5 an endpoint cannot be bound or connected.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import math
 import os
 import re
 import signal
@@ -21,7 +26,7 @@ from types import FrameType
 from typing import Any
 
 from .daemon import StoreDaemon
-from .errors import StorageError
+from .errors import StorageError, StoreDamagedError
 from .lock import StoreLease, StoreLock
 from .reader import RunStore
 from .status import StatusReporter, format_status
@@ -44,16 +49,59 @@ def parse_size(text: str) -> int:
     return value
 
 
+def _seconds(*, zero: bool) -> Any:
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
+        if not math.isfinite(value) or value < 0 or (value == 0 and not zero):
+            raise argparse.ArgumentTypeError(
+                f"expected a finite number of seconds {'>= 0' if zero else '> 0'}, got {text!r}")
+        return value
+    return parse
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def check_endpoint(text: str) -> str:
+    """A ZeroMQ endpoint the daemon can use: ``tcp://HOST:PORT`` (port 1-65535, or ``*`` to
+    bind any) or ``ipc://PATH`` whose folder exists."""
+    scheme, sep, rest = text.partition("://")
+    if not sep or scheme not in ("tcp", "ipc"):
+        raise argparse.ArgumentTypeError(f"expected tcp://HOST:PORT or ipc://PATH, got {text!r}")
+    if scheme == "ipc":
+        folder = os.path.dirname(rest) or "."
+        if not rest or not os.path.isdir(folder):
+            raise argparse.ArgumentTypeError(f"{text!r}: the folder {folder!r} of the ipc socket does "
+                                             f"not exist")
+        return text
+    host, colon, port = rest.rpartition(":")
+    if not colon or not host:
+        raise argparse.ArgumentTypeError(f"expected tcp://HOST:PORT, got {text!r}")
+    if port != "*" and not (port.isdigit() and 1 <= int(port) <= 65535):
+        raise argparse.ArgumentTypeError(f"{text!r}: the port must be 1-65535 or *, got {port!r}")
+    return text
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="worldtap-store",
         description="Persist worldtap runs received over ZeroMQ into a Zarr run store.")
     p.add_argument("store", nargs="?", default="worldtap.zarr",
                    help="local directory (default ./worldtap.zarr) or zarr/fsspec URL")
-    p.add_argument("--connect", action="append", default=[], metavar="ENDPOINT",
+    p.add_argument("--connect", action="append", default=[], metavar="ENDPOINT", type=check_endpoint,
                    help="publisher endpoint to connect to (repeatable; default "
                         "tcp://127.0.0.1:5555)")
-    p.add_argument("--bind", action="append", default=[], metavar="ENDPOINT",
+    p.add_argument("--bind", action="append", default=[], metavar="ENDPOINT", type=check_endpoint,
                    help="endpoint to bind, for publishers that connect (repeatable)")
     p.add_argument("--export", choices=("all", "succeeded", "split", "none"), default="all",
                    help="which episodes to store; split puts failed ones in --failed-store")
@@ -67,13 +115,20 @@ def build_parser() -> argparse.ArgumentParser:
                    help="memory for buffered episodes (default 1GiB)")
     p.add_argument("--fsync", action="store_true",
                    help="sync data and index to disk before each commit (power-loss safe)")
-    p.add_argument("--commit-interval", type=float, default=0.5, metavar="SECONDS")
-    p.add_argument("--status-interval", type=float, default=5.0, metavar="SECONDS")
+    p.add_argument("--commit-interval", type=_seconds(zero=True), default=0.5, metavar="SECONDS",
+                   help="seconds between index commits while a run is busy (default 0.5)")
+    p.add_argument("--status-interval", type=_seconds(zero=False), default=5.0, metavar="SECONDS")
+    p.add_argument("--max-runs", type=_positive_int, default=64, metavar="N",
+                   help="runs held in memory at once (default 64); the least recently active "
+                        "is retired to admit another")
+    p.add_argument("--idle-timeout", type=_seconds(zero=False), default=600.0, metavar="SECONDS",
+                   help="retire a run after this long without a message (default 600; it "
+                        "resumes if its messages come back)")
     p.add_argument("--max-message-size", type=parse_size, default=2**31 - 1, metavar="SIZE")
-    p.add_argument("--io-threads", type=int, default=os.cpu_count() or 2, metavar="N",
+    p.add_argument("--io-threads", type=_positive_int, default=os.cpu_count() or 2, metavar="N",
                    help="threads that compress and write chunks (default: the CPU count; more "
                         "only add switching between threads)")
-    p.add_argument("--hwm", type=int, default=8, metavar="N",
+    p.add_argument("--hwm", type=_positive_int, default=8, metavar="N",
                    help="ZeroMQ receive high-water mark: messages queued before the publisher "
                         "is slowed down (memory outside the budget: N x message size)")
     p.add_argument("--curve-keys", default=None, metavar="FILE",
@@ -81,10 +136,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "its public key must be on the publishers' allow-list")
     p.add_argument("--curve-server", default=None, metavar="FILE",
                    help="CURVE: the publishers' public key (.key file); needs --curve-keys")
-    p.add_argument("--lease-ttl", type=float, default=30.0, metavar="SECONDS",
+    p.add_argument("--lease-ttl", type=_seconds(zero=False), default=30.0, metavar="SECONDS",
                    help="stores that are not local directories: seconds the daemon's lease on "
                         "the store lasts unrenewed (a resume after a crash waits this long)")
-    p.add_argument("--exit-after-runs", type=int, default=None, metavar="N",
+    p.add_argument("--exit-after-runs", type=_positive_int, default=None, metavar="N",
                    help="exit once N runs have ended")
     p.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
     return p
@@ -100,11 +155,20 @@ def _info(argv: Sequence[str]) -> int:
         print(f"worldtap-store: {exc}", file=sys.stderr)
         return 3
     print(f"{'run':<24} {'status':<9} {'worlds':>7} {'episodes':>9} {'succeeded':>9} {'gaps':>5}")
+    damaged = 0
     for run in reader.runs():
-        info, eps = reader.info(run), reader.episodes(run)
+        try:
+            info, eps = reader.info(run), reader.episodes(run)
+        except StorageError as exc:
+            damaged += 1
+            print(f"{run:<24} damaged: {exc}")
+            continue
         print(f"{run:<24} {info['status']:<9} {info['num_worlds']:>7} {len(eps):>9} "
               f"{int(eps['success'].sum()):>9} {info['committed']['gaps']:>5}")
-    return 0
+    for node, why in reader.damaged().items():
+        damaged += 1
+        print(f"{node:<24} damaged: {why}")
+    return 3 if damaged else 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -116,10 +180,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if (args.curve_keys is None) != (args.curve_server is None):
         parser.error("--curve-keys and --curve-server go together")
-    if not args.lease_ttl > 0:
-        parser.error(f"--lease-ttl: expected a positive number of seconds, got {args.lease_ttl}")
-    if args.io_threads < 1:
-        parser.error(f"--io-threads: expected a positive number of threads, got {args.io_threads}")
     logging.basicConfig(level=args.log_level, stream=sys.stderr,
                         format="%(asctime)s worldtap-store %(levelname)s %(message)s")
     from broker import SecurityError
@@ -134,12 +194,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     def _on_signal(signum: int, frame: FrameType | None) -> None:
         stop.set()
 
+    from broker import TransportError
+
     previous = {s: signal.signal(s, _on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         return _serve(args, stop)
-    except StorageError as exc:
+    except TransportError as exc:
+        print(f"worldtap-store: {exc}", file=sys.stderr)
+        return 5
+    except StoreDamagedError as exc:
         print(f"worldtap-store: {exc}", file=sys.stderr)
         return 3
+    except (StorageError, PermissionError) as exc:
+        print(f"worldtap-store: {exc}", file=sys.stderr)
+        return 3
+    except Exception as exc:  # one line for the operator; the traceback at --log-level DEBUG
+        _log.debug("unexpected error", exc_info=exc)
+        print(f"worldtap-store: error: {exc!r}", file=sys.stderr)
+        return 1
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
@@ -160,16 +232,17 @@ def _serve(args: argparse.Namespace, stop: threading.Event) -> int:
         for lock in locks:  # before opening: resuming modifies the store
             stack.enter_context(lock)
         leases = [lock for lock in locks if isinstance(lock, StoreLease)]
-        daemon = StoreDaemon(args.store, export=args.export, failed_store=args.failed_store,
-                             compression=args.compression, chunk_bytes=args.chunk_size,
-                             memory_budget=args.memory_budget, fsync=args.fsync,
-                             commit_interval=args.commit_interval)
-        stack.callback(daemon.close)
         bind = bool(args.bind)
         endpoints = args.bind if bind else (args.connect or ["tcp://127.0.0.1:5555"])
         sub = Subscriber(endpoints, topics=("",), bind=bind, curve=args.curve,
                          max_message_size=args.max_message_size, hwm=args.hwm)
         stack.callback(sub.close)
+        daemon = StoreDaemon(args.store, export=args.export, failed_store=args.failed_store,
+                             compression=args.compression, chunk_bytes=args.chunk_size,
+                             memory_budget=args.memory_budget, fsync=args.fsync,
+                             commit_interval=args.commit_interval, max_runs=args.max_runs,
+                             idle_timeout=args.idle_timeout)
+        stack.callback(daemon.close)
 
         def transport() -> dict[str, Any]:
             st = sub.statistics()
@@ -201,8 +274,13 @@ def _serve(args: argparse.Namespace, stop: threading.Event) -> int:
         st, ds = sub.statistics(), daemon.statistics()
         print(f"worldtap-store done: {format_status(final)} messages={st.received} "
               f"written={ds.bytes_written / 1e6:.1f}MB "
-              f"avg={ds.bytes_written / 1e6 / max(ds.uptime_s, 1e-9):.1f}MB/s",
+              f"avg={ds.bytes_written / 1e6 / max(ds.uptime_s, 1e-9):.1f}MB/s "
+              f"open_at_end={ds.episodes_open_at_end} failed_runs={ds.runs_failed}",
               file=sys.stderr, flush=True)
+        if ds.runs_failed:
+            print(f"worldtap-store: {ds.runs_failed} run(s) failed to write and stopped at their "
+                  f"last commit (see the log above)", file=sys.stderr, flush=True)
+            return 4
     return 0
 
 
@@ -223,7 +301,7 @@ def _curve(args: argparse.Namespace) -> Any:
 def store_locks(args: argparse.Namespace) -> list[StoreLock | StoreLease]:
     """The locks the daemon takes before opening its stores: a ``flock`` per local directory,
     a lease object beside the store for any other URL (see :mod:`storage.lock`)."""
-    from ._zarr_io import local_path
+    from ._format import local_path
     from .daemon import failed_store_location
 
     if args.export == "none":

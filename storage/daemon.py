@@ -1,34 +1,43 @@
-"""The storage daemon's core: routes received messages into per-run assemblers and commits.
+"""The storage daemon's core: receives messages and gaps, routes them to per-run assemblies, and
+keeps serving whatever one run or one message does.
 
-:class:`StoreDaemon` is transport-agnostic (call :meth:`StoreDaemon.handle` with each
-message or gap; it is also a broker consumer), so the in-process twin used by unit tests and
-the ZeroMQ daemon of :mod:`storage.cli` share every line of the storage logic.
+:class:`StoreDaemon` is transport-agnostic (call :meth:`StoreDaemon.handle` with each message or
+gap; it is also a broker consumer), so the in-process twin used by unit tests and the ZeroMQ
+daemon of :mod:`storage.cli` share every line of the storage logic.
 
 Durability: commits run on each run's writer thread, data first and index last (see
 :class:`storage.RunWriter`); an episode is stored once the commit containing it has run, and
-``statistics().episodes_stored`` counts only those. ``close()`` commits every complete
-episode and waits for it: without ``close()`` (a crash) the episodes of the last commit
-interval are lost. Episodes still in progress are never stored by this session; a later
-session resuming the run drops them as incomplete.
+``statistics().episodes_stored`` counts only those. A run's end is confirmed (``on_run_end``)
+only after its last commit is in the store. ``close()`` commits every complete episode and
+waits for it: without ``close()`` (a crash) the episodes of the last commit interval are lost,
+and the next daemon on the store resumes the run from its last commit.
+
+Failure isolation: a message the store cannot accept is rejected (counted by reason, logged,
+and the episodes it touched become incomplete); a run whose store writes fail is *failed*: it
+stops at its last commit, its later messages are rejected, and every other run goes on.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import os
 import time
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType, TracebackType
 from typing import Any
 
+import numpy as np
+
 from broker import Batch, EpisodeEnd, Gap, Message, RunEnd, RunStart, VariationSample
 
-from ._zarr_io import Compression, StoreLocation, local_path
-from .run_state import ExportMode, RejectedMessage, RunAssembler
-from .zarr_store import RunStoreWriter
+from ._format import Compression, StoreLocation, local_path, to_json
+from .assembly import ExportMode, RejectedMessage, RunAssembly
+from .run_writer import RunStoreWriter, RunWriter
+from .write_queue import RunWriteQueue
 
 __all__ = ["DaemonStatistics", "StoreDaemon", "failed_store_location"]
 
@@ -43,13 +52,15 @@ class DaemonStatistics:
         messages: Messages handled (gaps excluded).
         episodes_stored: Episodes committed (both stores in ``split`` mode).
         episodes_filtered: Complete episodes the export mode left out.
-        episodes_incomplete: Episodes dropped because their start or part of them was missed.
+        episodes_incomplete: Episodes dropped because part of them was missed or rejected.
         episodes_open_at_end: Episodes still in progress at ``RunEnd`` (never ended).
         bytes_written: Uncompressed field bytes appended to the store(s).
         gaps: Sequence gaps recorded.
-        rejected: Messages that decoded but could not be stored, by reason.
-        runs_active, runs_ended: Runs in progress and runs whose ``RunEnd`` was handled.
+        rejected: Messages that could not be stored, by reason.
+        runs_active, runs_ended: Runs in progress and runs whose ``RunEnd`` was committed.
+        runs_failed: Runs stopped by a failed store write (they keep their last commit).
         lag_steps: Highest step received minus the end step of the last committed episode.
+        memory_bytes: Bytes held for episodes in progress and write pieces, all runs.
         uptime_s: Seconds since the daemon started.
     """
 
@@ -63,7 +74,9 @@ class DaemonStatistics:
     rejected: Mapping[str, int]
     runs_active: int
     runs_ended: int
+    runs_failed: int
     lag_steps: int
+    memory_bytes: int
     uptime_s: float
 
 
@@ -86,21 +99,43 @@ class StoreDaemon:
         failed_store: Store for failed episodes in ``split`` mode (default: see
             :func:`failed_store_location`).
         compression, chunk_bytes, fsync: Passed to :class:`storage.RunStoreWriter`.
-        memory_budget: Bytes for buffered episode data across all runs (default 1 GiB).
-        commit_interval: Seconds between index commits while a run is busy.
+        memory_budget: Bytes for buffered episode data across all runs together (default 1 GiB).
+        commit_interval: Seconds between index commits while a run is busy (finite, >= 0).
+        max_runs: Runs held in memory at once; the least recently active one is retired (its
+            complete episodes committed) to admit another, or the new run is rejected.
+        idle_timeout: Seconds without a message after which a run is retired (it resumes if
+            its messages come back).
+        on_run_end: Called with a run id once that run's ``RunEnd`` is committed (the
+            transport confirms the run's end to its publisher).
+
+    Raises:
+        ValueError: An argument is out of range.
+        StoreFormatError: The store is not a run store.
     """
 
     def __init__(self, store: StoreLocation, *, export: ExportMode = "all",
                  failed_store: StoreLocation | None = None, compression: Compression = "lz4",
                  chunk_bytes: int = 1 << 20, memory_budget: int = 1 << 30, fsync: bool = False,
-                 commit_interval: float = 0.5) -> None:
+                 commit_interval: float = 0.5, max_runs: int = 64, idle_timeout: float = 600.0,
+                 on_run_end: Callable[[str], None] | None = None) -> None:
         if export not in ("all", "succeeded", "split", "none"):
             raise ValueError(f"export: expected 'all', 'succeeded', 'split' or 'none', got {export!r}")
-        if memory_budget <= 0:
+        if isinstance(memory_budget, bool) or not isinstance(memory_budget, int) or memory_budget <= 0:
             raise ValueError(f"memory_budget: expected a positive byte count, got {memory_budget!r}")
+        if not (isinstance(commit_interval, int | float) and math.isfinite(commit_interval)
+                and commit_interval >= 0):
+            raise ValueError(f"commit_interval: expected a finite number of seconds >= 0, got "
+                             f"{commit_interval!r}")
+        if isinstance(max_runs, bool) or not isinstance(max_runs, int) or max_runs < 1:
+            raise ValueError(f"max_runs: expected a positive int, got {max_runs!r}")
+        if not (isinstance(idle_timeout, int | float) and idle_timeout > 0):
+            raise ValueError(f"idle_timeout: expected a positive number of seconds, got {idle_timeout!r}")
         self.export: ExportMode = export
         self.memory_budget = memory_budget
-        self.commit_interval = commit_interval
+        self.commit_interval = float(commit_interval)
+        self.max_runs = max_runs
+        self.idle_timeout = float(idle_timeout)
+        self.on_run_end = on_run_end
         self.writers: list[RunStoreWriter] = []
         if export != "none":
             opts: dict[str, Any] = {"compression": compression, "chunk_bytes": chunk_bytes,
@@ -110,14 +145,32 @@ class StoreDaemon:
                 self.writers.append(RunStoreWriter(
                     failed_store if failed_store is not None else failed_store_location(store),
                     **opts))
-        self.runs: dict[str, RunAssembler] = {}
-        self._ended: set[str] = set()
+        self.runs: dict[str, RunAssembly] = {}
+        """Active runs by stored name."""
+        self._session: dict[str, str] = {}  # published run id -> stored name of its session
+        self._ended: set[str] = set()       # stored names whose RunEnd was committed here
+        self._failed: dict[str, str] = {}   # stored name -> why it failed
         self._messages = 0
         self._gaps = 0
         self._rejected: Counter[str] = Counter()
         self._retired = Counter[str]()
         self._started = time.monotonic()
         self.closed = False
+        for writer in self.writers:
+            self._clean_dirty(writer)
+
+    @staticmethod
+    def _clean_dirty(writer: RunStoreWriter) -> None:
+        """Finish what a stopped daemon left: cut runs whose arrays may be longer than their
+        committed counts (killed in the middle of a run, a commit or a trim)."""
+        for run in writer.dirty_runs():
+            try:
+                reclaimed = writer.clean(run)
+            except Exception as exc:  # damage in one run never stops the store
+                _log.error("run %r could not be cleaned up (it stays as it is): %r", run, exc)
+            else:
+                _log.info("run %r: cut to its last commit (%d uncommitted rows reclaimed)", run,
+                          reclaimed)
 
     # -- input ---------------------------------------------------------------------------
 
@@ -126,100 +179,288 @@ class StoreDaemon:
         self.handle(message)
 
     def handle(self, item: Message | Gap) -> None:
-        """Store one message, or record a transport gap (anything with ``run``, ``expected``
-        and ``received``). Messages the store cannot accept are counted and skipped."""
-        if not isinstance(item, Message):  # a transport Gap
+        """Store one message, or record a transport gap. Never raises for what a message holds:
+        messages the store cannot accept are counted and skipped (see :meth:`statistics`)."""
+        if isinstance(item, Gap):
             self._gaps += 1
-            run = self._run(str(item.run), None)
-            if run is not None:
-                run.on_gap(int(item.expected), int(item.received), str(item.topic))
+            self._on_gap(item)
             return
         self._messages += 1
+        name: str | None = None
         try:
-            run = self._run(item.run, item)
-            if run is None:
+            if not isinstance(item, Message):
+                raise RejectedMessage("type", f"expected a broker message, got {type(item).__name__}")
+            _check_envelope(item)
+            asm = self._route(item)
+            if asm is None:
                 return
-            run.note_seq(item.seq, item.step)
+            name = asm.run
+            if isinstance(item, RunStart):
+                return
+            asm.check_seq(item.seq, item.step)
             if isinstance(item, Batch):
-                run.on_batch(item)
+                asm.on_batch(item)
             elif isinstance(item, EpisodeEnd):
-                run.on_end(item)
+                asm.on_end(item)
             elif isinstance(item, VariationSample):
-                run.on_variation(item)
+                asm.on_variation(item)
             elif isinstance(item, RunEnd):
-                run.on_run_end(item)
-                self._retire(item.run)
+                self._end(asm, item)
                 return
-            if run.due():
-                run.commit()
+            if asm.due():
+                asm.commit()
         except RejectedMessage as exc:
-            reason = str(exc)
-            self._rejected[reason.split(":")[0]] += 1
-            _log.warning("rejected a message of run %r: %s", item.run, reason)
+            self._reject(item, name, exc)
+        except Exception as exc:  # the run's store failed (or a defect): that run stops, not us
+            if name is None:
+                self._reject(item, None, RejectedMessage("error", repr(exc)))
+            else:
+                self._fail(name, exc)
+        finally:
+            failure = self.runs[name].queue.failure if name is not None and name in self.runs else None
+            if name is not None and failure is not None:
+                self._fail(name, failure)
 
     def tick(self) -> None:
-        """Commit runs whose commit interval elapsed (call when the input is idle)."""
-        for run in list(self.runs.values()):
-            if run.due():
-                run.commit()
+        """Commit runs whose commit interval elapsed and retire idle ones (call when the input
+        is idle, and now and then)."""
+        now = time.monotonic()
+        for name, asm in list(self.runs.items()):
+            try:
+                if asm.queue.failure is not None:
+                    raise asm.queue.failure
+                if now - asm.last_message > self.idle_timeout:
+                    _log.info("run %r: idle for %.0f s; retired (it resumes if its messages come "
+                              "back)", name, now - asm.last_message)
+                    self._retire(name)
+                elif asm.due():
+                    asm.commit()
+            except Exception as exc:
+                self._fail(name, exc)
 
-    def _run(self, run_id: str, msg: Message | None) -> RunAssembler | None:
-        run = self.runs.get(run_id)
-        if run is not None:
-            return run
-        if self.export == "none" or (run_id in self._ended and not isinstance(msg, RunStart)):
+    # -- routing -------------------------------------------------------------------------
+
+    def _route(self, msg: Message) -> RunAssembly | None:
+        """The assembly of ``msg``'s run: an active one, a resumed one, or a new one."""
+        if self.export == "none":
+            if isinstance(msg, RunEnd) and self.on_run_end is not None:
+                self.on_run_end(msg.run)
             return None
-        start = msg if isinstance(msg, RunStart) else None
-        num_worlds = start.num_worlds if start is not None else 1
-        writers = [w.run(run_id, num_worlds=num_worlds,
-                         device=start.device if start is not None else "unknown",
-                         metadata=dict(start.metadata) if start is not None else None)
-                   for w in self.writers]
-        num_worlds = max(num_worlds, int(writers[0].meta["num_worlds"]))
-        share = self.memory_budget // (1 + len(self.runs))
-        run = RunAssembler(run_id, writers[0], writers[1] if len(writers) > 1 else None,
-                           self.export, num_worlds=num_worlds, budget_bytes=share,
-                           clean=start is not None, commit_interval=self.commit_interval)
-        self.runs[run_id] = run
-        self._ended.discard(run_id)
-        _log.info("run %r: %s (%d worlds)", run_id, "started" if start else "joined", num_worlds)
-        return run
+        name = self._session.get(msg.run, msg.run)
+        asm = self.runs.get(name)
+        if isinstance(msg, RunStart):
+            return self._start(msg, asm)
+        if asm is not None:
+            return asm
+        if name in self._failed:
+            raise RejectedMessage("run failed", f"run {name!r} failed earlier ({self._failed[name]}); "
+                                                f"its messages are not stored", worlds=np.zeros(0, np.int64))
+        if name in self._ended:
+            if isinstance(msg, RunEnd) and self.on_run_end is not None:
+                self.on_run_end(msg.run)  # a repeated end (the publisher asks again): confirm
+                return None
+            raise RejectedMessage("run ended", f"run {name!r}: a message after its RunEnd",
+                                  worlds=np.zeros(0, np.int64))
+        return self._open(name, msg)
 
-    def _retire(self, run_id: str) -> None:
-        run = self.runs.pop(run_id)
-        run.close()
-        self._ended.add(run_id)
-        for key in ("stored", "filtered", "incomplete", "open_at_end"):
-            self._retired[key] += getattr(run, key)
-        _log.info("run %r ended: %d episodes stored, %d filtered, %d incomplete",
-                  run_id, run.stored, run.filtered, run.incomplete)
+    def _start(self, msg: RunStart, asm: RunAssembly | None) -> RunAssembly:
+        """A ``RunStart``: a new run, the late start of a run joined a moment ago, or a new
+        session of a run id already used (stored under a new name, never merged)."""
+        if asm is not None and asm.adoptable():
+            asm.adopt(msg.num_worlds, msg.device, to_json(dict(msg.metadata)))
+            _log.info("run %r: its RunStart arrived after its first messages; adopted", asm.run)
+            return asm
+        previous = self._session.get(msg.run, msg.run)
+        if previous in self.runs:
+            _log.warning("run %r: a new session started before the previous one ended; the "
+                         "previous one is retired as it stands", previous)
+            self._retire(previous)
+        name = self.writers[0].session_name(msg.run)
+        for writer in self.writers[1:]:
+            while writer.has_run(name):
+                name = self.writers[0].session_name(name)
+        if name != msg.run:
+            _log.warning("run id %r is already in the store: this session is stored as %r", msg.run, name)
+        self._session[msg.run] = name
+        self._ended.discard(name)
+        return self._admit(name, msg.run, num_worlds=msg.num_worlds, device=msg.device,
+                           metadata=to_json(dict(msg.metadata)), clean=True, seq=msg.seq, step=msg.step)
+
+    def _open(self, name: str, msg: Message) -> RunAssembly:
+        """A run joined without its ``RunStart``: resumed from the store, or new (its start
+        counts as seen when the first message follows ``RunStart``'s sequence number 0)."""
+        return self._admit(name, msg.run, num_worlds=None, device="unknown", metadata=None,
+                           clean=msg.seq <= 1, seq=None, step=None)
+
+    def _admit(self, name: str, run_id: str, *, num_worlds: int | None, device: str,
+               metadata: dict[str, Any] | None, clean: bool, seq: int | None,
+               step: int | None) -> RunAssembly:
+        if len(self.runs) >= self.max_runs:
+            idle = min(self.runs, key=lambda r: self.runs[r].last_message)
+            _log.warning("%d runs active (max_runs): retiring the least recently active, %r",
+                         len(self.runs), idle)
+            self._retire(idle)
+        share = self.memory_budget // (len(self.runs) + 1)
+        for other in self.runs.values():
+            if other.min_budget() > share:
+                raise RejectedMessage("budget", f"run {name!r}: {len(self.runs) + 1} runs do not "
+                                                f"fit in --memory-budget={self.memory_budget} bytes "
+                                                f"(run {other.run!r} needs {other.min_budget()}); "
+                                                f"raise it, or lower max_runs")
+        writers: list[RunWriter] = []
+        try:
+            for store in self.writers:
+                writers.append(store.run(name, num_worlds=num_worlds or 1, device=device,
+                                         metadata=metadata, session_of=run_id if name != run_id else None))
+        except Exception:
+            for store in self.writers:
+                store.forget(name)
+            raise
+        primary = writers[0]
+        resumed = primary.exists
+        if resumed:
+            with primary.lock:
+                known = primary.meta.get("num_worlds_known", True)
+                stored_worlds = int(primary.meta["num_worlds"])
+            num_worlds = stored_worlds if known else None
+            clean = False
+        elif num_worlds is not None:
+            with primary.lock:
+                primary.meta["num_worlds_known"] = True
+        queue = RunWriteQueue(name)
+        for writer in writers:
+            if writer.exists:
+                queue.submit(_resume_job, writer)
+            elif num_worlds is not None:
+                queue.submit(writer.create)  # a started run shows in the store at once
+        asm = RunAssembly(name, primary, writers[1] if len(writers) > 1 else None, self.export,
+                          queue, num_worlds=num_worlds, budget_bytes=share, clean=clean,
+                          resumed=resumed, commit_interval=self.commit_interval)
+        if seq is not None and step is not None:
+            asm.started = True
+            asm.check_seq(seq, step)
+        self.runs[name] = asm
+        for other in self.runs.values():
+            if other is not asm:
+                other.set_budget(share)
+        _log.info("run %r: %s (%s worlds)", name,
+                  "resumed" if resumed else "started" if seq is not None else "joined",
+                  num_worlds if num_worlds is not None else "unknown")
+        return asm
+
+    # -- run ends, failures, retirement --------------------------------------------------
+
+    def _end(self, asm: RunAssembly, msg: RunEnd) -> None:
+        asm.on_run_end(msg)
+        if asm.queue.failure is not None:
+            raise asm.queue.failure
+        name = asm.run
+        self._retire(name)
+        self._ended.add(name)
+        _log.info("run %r ended: %d episodes stored, %d filtered, %d incomplete, %d still open at "
+                  "its end", name, sum(w.stored for w in asm._writers()), asm.filtered, asm.incomplete,
+                  asm.open_at_end)
+        if self.on_run_end is not None:
+            self.on_run_end(msg.run)
+
+    def _retire(self, name: str) -> None:
+        asm = self.runs.pop(name)
+        try:
+            asm.close()
+        finally:
+            self._count(asm)
+            for store in self.writers:
+                store.forget(name)
+        if asm.queue.failure is not None:
+            self._failed[name] = repr(asm.queue.failure)
+
+    def _fail(self, name: str, exc: BaseException) -> None:
+        asm = self.runs.pop(name, None)
+        if asm is None:
+            return
+        self._failed[name] = repr(exc)
+        _log.error("run %r failed and stops at its last commit (the daemon serves the others): %r",
+                   name, exc, exc_info=exc)
+        asm.queue.close()
+        self._count(asm)
+        for store in self.writers:
+            store.forget(name)
+        self._rebalance()
+
+    def _count(self, asm: RunAssembly) -> None:
+        self._retired["stored"] += sum(w.stored for w in asm._writers())
+        for key in ("filtered", "incomplete", "open_at_end"):
+            self._retired[key] += getattr(asm, key)
+
+    def _rebalance(self) -> None:
+        """Give the remaining runs their larger share when it at least doubles."""
+        if not self.runs:
+            return
+        share = self.memory_budget // len(self.runs)
+        for name, asm in list(self.runs.items()):
+            if share >= 2 * asm.budget_bytes:
+                try:
+                    asm.set_budget(share)
+                except Exception as exc:
+                    self._fail(name, exc)
+
+    def _reject(self, item: Any, name: str | None, exc: RejectedMessage) -> None:
+        self._rejected[exc.reason] += 1
+        run = getattr(item, "run", None)
+        (_log.warning if self._rejected[exc.reason] <= 10 else _log.debug)(
+            "rejected a message of run %r: %s", run, exc)
+        asm = self.runs.get(name) if name is not None else None
+        if asm is not None and (exc.worlds is None or len(exc.worlds)):
+            asm.invalidate(exc.worlds)
+
+    def _on_gap(self, gap: Gap) -> None:
+        if self.export == "none":
+            return
+        name = self._session.get(str(gap.run), str(gap.run))
+        asm = self.runs.get(name)
+        try:
+            if asm is None:
+                if name in self._failed or name in self._ended:
+                    return
+                asm = self._admit(name, str(gap.run), num_worlds=None, device="unknown",
+                                  metadata=None, clean=False, seq=None, step=None)
+            asm.on_gap(int(gap.expected), int(gap.received), str(gap.topic))
+        except RejectedMessage as exc:
+            self._rejected[exc.reason] += 1
+            _log.warning("a gap of run %r could not be recorded: %s", gap.run, exc)
+        except Exception as exc:
+            self._fail(name, exc)
 
     # -- output --------------------------------------------------------------------------
 
     def statistics(self) -> DaemonStatistics:
         """A frozen snapshot of the counters."""
         live = list(self.runs.values())
+        stored = self._retired["stored"] + sum(w.stored for a in live for w in a._writers())
         total = {k: self._retired[k] + sum(getattr(r, k) for r in live)
-                 for k in ("stored", "filtered", "incomplete", "open_at_end")}
-        lag = max((r.step_high - r.committed_step for r in live), default=0)
+                 for k in ("filtered", "incomplete", "open_at_end")}
+        lag = max((r.step_high - r.primary.committed_step for r in live), default=0)
         return DaemonStatistics(
-            messages=self._messages, episodes_stored=total["stored"],
+            messages=self._messages, episodes_stored=stored,
             episodes_filtered=total["filtered"], episodes_incomplete=total["incomplete"],
             episodes_open_at_end=total["open_at_end"],
             bytes_written=sum(w.bytes_written for w in self.writers), gaps=self._gaps,
             rejected=MappingProxyType(dict(self._rejected)), runs_active=len(live),
-            runs_ended=len(self._ended), lag_steps=max(0, lag),
-            uptime_s=time.monotonic() - self._started)
+            runs_ended=len(self._ended), runs_failed=len(self._failed), lag_steps=max(0, lag),
+            memory_bytes=sum(r.memory() for r in live), uptime_s=time.monotonic() - self._started)
 
     def close(self) -> None:
-        """Commit every complete episode of every run. Idempotent. In-progress episodes are
-        not stored (a later daemon resuming the run drops them as incomplete)."""
+        """Commit every complete episode of every run and cut the arrays. Idempotent.
+        In-progress episodes are not stored (a later daemon resuming the run drops them as
+        incomplete)."""
         if self.closed:
             return
         self.closed = True
-        for run in self.runs.values():
-            run.commit(wait=True)
-            run.close()
+        for name in list(self.runs):
+            try:
+                self._retire(name)
+            except Exception as exc:
+                self._fail(name, exc)
         for writer in self.writers:
             writer.close()
 
@@ -235,3 +476,23 @@ class StoreDaemon:
     def store_paths(self) -> list[Path]:
         """Local directories written to (what the lock must cover)."""
         return [p for w in self.writers if (p := local_path(w.location)) is not None]
+
+
+def _check_envelope(msg: Message) -> None:
+    run, seq, step = msg.run, msg.seq, msg.step
+    if not isinstance(run, str) or not run:
+        raise RejectedMessage("run", f"invalid run id {run!r}")
+    for what, value in (("seq", seq), ("step", step)):
+        if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < 0:
+            raise RejectedMessage("header", f"run {run!r}: invalid {what} {value!r}")
+
+
+def _resume_job(writer: RunWriter) -> None:
+    """First job of a reopened run: cut it back to its last commit, count the resume."""
+    reclaimed = writer.recover()
+    with writer.lock:
+        resumed = int(writer.meta.get("resumed", 0)) + 1
+        committed = writer.meta["committed"]["episodes"]
+    writer.commit(status="open", extra={"resumed": resumed})
+    _log.info("resumed run %r: %d committed episodes, %d uncommitted rows reclaimed",
+              writer.run, committed, reclaimed)

@@ -6,6 +6,7 @@ __all__ = [
     "EpisodeNotFoundError",
     "RunNotFoundError",
     "StorageError",
+    "StoreDamagedError",
     "StoreFormatError",
     "StoreLockedError",
 ]
@@ -21,6 +22,12 @@ class StoreLockedError(StorageError, BlockingIOError):
 
 class StoreFormatError(StorageError, ValueError):
     """The store exists but is not a worldtap run store, or its layout version is unknown."""
+
+
+class StoreDamagedError(StorageError, OSError):
+    """Part of a run store is missing or corrupt (a chunk that fails its checksum, a missing
+    chunk inside the committed rows, unreadable attributes). The message names the run and
+    the array; other runs of the store stay readable."""
 
 
 class RunNotFoundError(StorageError, KeyError):

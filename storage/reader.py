@@ -4,6 +4,11 @@ Only committed data is read: every array is cut at the counts of the run's ``com
 attribute, so rows a writer appended but never committed (or a crash left behind) never
 appear. Reading while a daemon writes is safe; a reader sees the commits made before
 :meth:`RunStore.refresh`.
+
+Damage is reported, never read as data: a chunk that fails its checksum, a chunk missing
+inside the committed rows, or a run whose attributes cannot be read raise
+:class:`storage.StoreDamagedError` naming the run and the array, and one damaged run never
+hides the others (:meth:`RunStore.damaged` lists the runs that cannot be opened).
 """
 
 from __future__ import annotations
@@ -15,8 +20,18 @@ from typing import Any
 import numpy as np
 import zarr
 
-from ._zarr_io import FORMAT, HOOKS, StoreLocation, decode_name, encode_name, open_store
-from .errors import EpisodeNotFoundError, RunNotFoundError, StoreFormatError
+from ._format import (
+    FORMAT,
+    FORMAT_VERSION,
+    HOOKS,
+    StoreLocation,
+    child_nodes,
+    from_json,
+    node_name,
+    open_store,
+)
+from .errors import EpisodeNotFoundError, RunNotFoundError, StorageError, StoreDamagedError, StoreFormatError
+from .run_writer import read_meta
 
 __all__ = ["RunStore", "Table"]
 
@@ -71,58 +86,128 @@ class RunStore:
         location: Local directory, fsspec URL, or a zarr store.
 
     Raises:
-        StoreFormatError: ``location`` is not a worldtap run store.
+        StoreFormatError: ``location`` is not a worldtap run store (of this layout version).
     """
 
     def __init__(self, location: StoreLocation) -> None:
         self.location = location
         try:
             self.root = zarr.open_group(open_store(location, read_only=True), mode="r")
+            info = self.root.attrs.get("worldtap")
         except StoreFormatError:
             raise
         except Exception as exc:
             raise StoreFormatError(f"no run store at {location!r}: {exc}") from exc
-        info = self.root.attrs.get("worldtap")
         if not isinstance(info, dict) or info.get("format") != FORMAT:
             raise StoreFormatError(f"{location!r} is not a worldtap run store (attributes {info!r})")
+        if info.get("version") != FORMAT_VERSION:
+            raise StoreFormatError(f"{location!r}: layout version {info.get('version')!r}, this reader "
+                                   f"reads version {FORMAT_VERSION}")
         self._meta: dict[str, dict[str, Any]] = {}
+        self._nodes: dict[str, str] = {}
+        self._damaged: dict[str, str] = {}
         self.refresh()
 
     def refresh(self) -> None:
         """Re-read the committed state of every run (to see commits made since opening)."""
         self._meta.clear()
-        if "runs" not in self.root:
+        self._nodes.clear()
+        self._damaged.clear()
+        runs = self.root.get("runs")
+        if not isinstance(runs, zarr.Group):
             return
-        runs = self.root["runs"]
-        assert isinstance(runs, zarr.Group)
-        for name, group in runs.groups():
-            meta = group.attrs.get("worldtap_run")
-            if isinstance(meta, dict):
-                self._meta[decode_name(name)] = meta
+        for node in child_nodes(runs):
+            try:
+                group = runs.get(node)
+                if not isinstance(group, zarr.Group):
+                    raise StoreDamagedError(f"runs/{node} is not a group")
+                meta = read_meta(group, node)
+            except Exception as exc:  # that run only: the others stay readable
+                self._damaged[node] = str(exc) if isinstance(exc, StorageError) else repr(exc)
+                continue
+            if meta is None:  # a run being created: nothing committed
+                continue
+            run = str(meta["run"])
+            self._meta[run] = meta
+            self._nodes[run] = node
 
     def runs(self) -> list[str]:
-        """Run ids in the store, sorted."""
+        """Run ids in the store, sorted (damaged runs excluded: see :meth:`damaged`)."""
         return sorted(self._meta)
 
+    def damaged(self) -> dict[str, str]:
+        """Run group nodes whose attributes cannot be read, with what is wrong."""
+        return dict(self._damaged)
+
     def info(self, run: str) -> dict[str, Any]:
-        """The run's attributes: num_worlds, device, metadata, status, fields, committed."""
-        try:
-            return dict(self._meta[run])
-        except KeyError:
+        """The run's attributes: num_worlds, device, metadata, status, fields, committed.
+
+        Raises:
+            RunNotFoundError: No run ``run``.
+            StoreDamagedError: The run's attributes cannot be read.
+        """
+        meta = self._meta.get(run)
+        if meta is None:
+            node = node_name(run) if isinstance(run, str) and run else ""
+            if node in self._damaged:
+                raise StoreDamagedError(f"run {run!r} in store {self.location!r} is damaged: "
+                                        f"{self._damaged[node]}")
             raise RunNotFoundError(f"run {run!r} not found in store {self.location!r}; "
-                                   f"runs: {self.runs()}") from None
+                                   f"runs: {self.runs()}")
+        out = dict(meta)
+        out["metadata"] = from_json(meta.get("metadata", {}))
+        return out
 
-    def _group(self, run: str, path: str) -> zarr.Group | None:
+    def _group(self, run: str, path: str, rows: int) -> zarr.Group | None:
+        """``runs/<run>/<path>``; ``None`` when it holds nothing committed (``rows == 0``).
+
+        Raises:
+            StoreDamagedError: The group is missing although ``rows`` rows are committed.
+        """
         self.info(run)
-        node = self.root.get(f"runs/{encode_name(run)}/{path}")
-        return node if isinstance(node, zarr.Group) else None
+        where = f"runs/{self._nodes[run]}/{path}"
+        try:
+            node = self.root.get(where)
+        except Exception as exc:
+            raise StoreDamagedError(f"run {run!r}: {where} cannot be read: {exc!r}") from exc
+        if not isinstance(node, zarr.Group):
+            if rows:
+                raise StoreDamagedError(f"run {run!r}: {where} is missing but {rows} rows are "
+                                        f"committed (store {self.location!r})")
+            return None
+        return node
 
-    def _column(self, group: zarr.Group | None, name: str, n: int, dtype: str) -> np.ndarray:
+    def _read(self, run: str, group: zarr.Group, name: str, start: int, stop: int) -> np.ndarray:
+        """Rows ``[start, stop)`` of array ``name``: every chunk they lie in must exist and
+        pass its checksum.
+
+        Raises:
+            StoreDamagedError: The array or one of those chunks is missing or corrupt.
+        """
+        where = f"{group.path}/{name}"
+        try:
+            arr = group.get(name)
+            if not isinstance(arr, zarr.Array):
+                raise StoreDamagedError(f"run {run!r}: array {where!r} is missing")
+            if stop > arr.shape[0]:
+                raise StoreDamagedError(f"run {run!r}: array {where!r} has {arr.shape[0]} rows, "
+                                        f"{stop} are committed")
+            if stop > start:
+                missing = _missing_chunks(arr, start, stop)
+                if missing:
+                    raise StoreDamagedError(f"run {run!r}: array {where!r} lacks chunk(s) {missing[:5]} "
+                                            f"of its committed rows {start}..{stop}")
+            return np.asarray(arr[start:stop])
+        except StoreDamagedError:
+            raise
+        except Exception as exc:  # a chunk that fails its checksum or cannot be decoded
+            raise StoreDamagedError(f"run {run!r}: array {where!r} rows {start}..{stop} cannot be "
+                                    f"read: {exc!r}") from exc
+
+    def _column(self, run: str, group: zarr.Group | None, name: str, n: int, dtype: str) -> np.ndarray:
         if group is None or n == 0:
             return np.zeros(0, dtype)
-        arr = group[name]
-        assert isinstance(arr, zarr.Array)
-        return np.asarray(arr[:n])
+        return self._read(run, group, name, 0, n)
 
     def episodes(self, run: str | None = None, **equal: Any) -> Table:
         """The committed episodes of ``run`` (all runs when ``None``), optionally filtered by
@@ -131,12 +216,12 @@ class RunStore:
         parts = []
         for r in [run] if run is not None else self.runs():
             n = int(self.info(r)["committed"]["episodes"])
-            group = self._group(r, "episodes")
+            group = self._group(r, "episodes", n)
             cols: dict[str, np.ndarray] = {"run": np.full(n, r, dtype=object)}
             for c, dt in (("world", "int64"), ("index", "int64"), ("length", "int64"),
                           ("success", "bool"), ("terminated", "bool"), ("truncated", "bool"),
                           ("end_step", "int64"), ("segment_count", "int64")):
-                cols["segments" if c == "segment_count" else c] = self._column(group, c, n, dt)
+                cols["segments" if c == "segment_count" else c] = self._column(r, group, c, n, dt)
             parts.append(cols)
         if not parts:
             return Table({c: np.zeros(0, object if c == "run" else "int64") for c in _EPISODE_OUT})
@@ -147,43 +232,65 @@ class RunStore:
         """Every field of one committed episode, read back whole (fragments concatenated).
 
         Keys are ``"<term>/<field>"``, plus ``"<term>/_step"`` (global step of each row) and
-        ``"<term>/_hook"`` (lifecycle point of each row, as a str array).
+        ``"<term>/_hook"`` (lifecycle point of each row, as a str array). bfloat16 fields read
+        back as float32 (exactly: every bfloat16 is a float32).
 
         Raises:
             EpisodeNotFoundError: No committed episode ``(run, world, index)``.
+            StoreDamagedError: Part of the episode is missing or corrupt in the store.
         """
         meta = self.info(run)
         committed = meta["committed"]
         n = int(committed["episodes"])
-        egroup = self._group(run, "episodes")
-        worlds = self._column(egroup, "world", n, "int64")
-        indices = self._column(egroup, "index", n, "int64")
+        egroup = self._group(run, "episodes", n)
+        worlds = self._column(run, egroup, "world", n, "int64")
+        indices = self._column(run, egroup, "index", n, "int64")
         hits = np.flatnonzero((worlds == world) & (indices == index))
         if not len(hits):
             raise EpisodeNotFoundError(f"run {run!r} has no committed episode with world={world} "
                                        f"index={index} in store {self.location!r}")
         row = int(hits[-1])
         assert egroup is not None
-        start = int(egroup["segment_start"][row])  # type: ignore[index,arg-type]
-        count = int(egroup["segment_count"][row])  # type: ignore[index,arg-type]
-        sgroup = self._group(run, "segments")
-        assert sgroup is not None
-        segs = np.stack([np.asarray(sgroup[c][start:start + count])  # type: ignore[index]
-                         for c in ("topic", "offset", "rows")], axis=1) if count else np.zeros((0, 3))
+        start = int(self._read(run, egroup, "segment_start", row, row + 1)[0])
+        count = int(self._read(run, egroup, "segment_count", row, row + 1)[0])
+        n_seg = int(committed["segments"])
+        if start < 0 or count < 0 or start + count > n_seg:
+            raise StoreDamagedError(f"run {run!r}: episode row {row} points at segments "
+                                    f"{start}..{start + count}, {n_seg} are committed")
+        sgroup = self._group(run, "segments", n_seg)
+        segs = (np.stack([self._read(run, sgroup, c, start, start + count)
+                          for c in ("topic", "offset", "rows")], axis=1)
+                if count and sgroup is not None else np.zeros((0, 3), np.int64))
         out: dict[str, np.ndarray] = {}
         for code, term in enumerate(meta["topics"]):
             mine = segs[segs[:, 0] == code]
-            tgroup = self._group(run, f"data/{term}")
+            rows = int(committed["rows"].get(term, 0))
+            tnode = meta.get("term_nodes", {}).get(term, node_name(term))
+            tgroup = self._group(run, f"data/{tnode}", rows)
             if tgroup is None:
                 continue
             for name in [*meta["fields"][term], "_step", "_hook"]:
-                arr = tgroup[name]
-                assert isinstance(arr, zarr.Array)
-                pieces = [np.asarray(arr[int(o):int(o) + int(r)]) for _, o, r in mine.tolist()]
-                value = (np.concatenate(pieces) if pieces
-                         else np.zeros((0, *arr.shape[1:]), arr.dtype))
-                out[f"{term}/{name}"] = (np.asarray(HOOKS, dtype=object)[value]
-                                         if name == "_hook" else value)
+                spec = meta["fields"][term].get(name) if name not in ("_step", "_hook") else None
+                node = name if spec is None else node_name(name)
+                pieces = []
+                for _, o, r in mine.tolist():
+                    if o < 0 or r < 0 or o + r > rows:
+                        raise StoreDamagedError(f"run {run!r}: a segment of episode ({world}, {index}) "
+                                                f"covers rows {o}..{o + r} of term {term!r}, {rows} are "
+                                                f"committed")
+                    pieces.append(self._read(run, tgroup, node, int(o), int(o) + int(r)))
+                if pieces:
+                    value = np.concatenate(pieces)
+                else:
+                    arr = tgroup.get(node)
+                    shape = tuple(arr.shape[1:]) if isinstance(arr, zarr.Array) else ()
+                    dtype = arr.dtype if isinstance(arr, zarr.Array) else np.dtype("int64")
+                    value = np.zeros((0, *shape), dtype)
+                if name == "_hook":
+                    value = np.asarray(HOOKS, dtype=object)[value]
+                elif spec is not None and spec.get("dtype") == "bfloat16":
+                    value = (value.astype(np.uint32) << 16).view(np.float32)
+                out[f"{term}/{name}"] = value
         return out
 
     def gaps(self, run: str) -> Table:
@@ -192,10 +299,13 @@ class RunStore:
         sequence numbers a resumed daemon never saw (``topic`` ``""``)."""
         meta = self.info(run)
         n = int(meta["committed"]["gaps"])
-        group = self._group(run, "gaps")
-        cols = {c: self._column(group, c, n, "int64") for c in ("expected", "received", "source")}
+        group = self._group(run, "gaps", n)
+        cols = {c: self._column(run, group, c, n, "int64") for c in ("expected", "received", "source")}
         names = np.asarray(meta.get("gap_topics", []) or [""], dtype=object)
-        cols["topic"] = names[self._column(group, "topic", n, "int64")]
+        codes = self._column(run, group, "topic", n, "int64")
+        if len(codes) and (codes.min() < 0 or codes.max() >= len(names)):
+            raise StoreDamagedError(f"run {run!r}: gap topic codes out of range")
+        cols["topic"] = names[codes]
         return Table(cols)
 
     def variation_samples(self, run: str, key: str) -> Table:
@@ -205,12 +315,12 @@ class RunStore:
             raise KeyError(f"run {run!r} has no variation {key!r}; "
                            f"variations: {sorted(meta['variations'])}")
         n = int(meta["committed"]["variations"].get(key, 0))
-        group = self._group(run, f"variations/{meta['variations'][key]['node']}")
-        cols = {c: self._column(group, c, n, "int64") for c in ("world", "episode", "step", "seq")}
-        assert group is not None
-        value = group["value"]
-        assert isinstance(value, zarr.Array)
-        cols["value"] = np.asarray(value[:n])
+        group = self._group(run, f"variations/{meta['variations'][key]['node']}", n)
+        cols = {c: self._column(run, group, c, n, "int64") for c in ("world", "episode", "step", "seq")}
+        value = self._column(run, group, "value", n, "float64")
+        if meta["variations"][key]["field"]["dtype"] == "bfloat16" and len(value):
+            value = (value.astype(np.uint32) << 16).view(np.float32)
+        cols["value"] = value
         return Table(cols)
 
     def variation_table(self, run: str | None = None) -> Any:
@@ -229,7 +339,8 @@ class RunStore:
             events: list[tuple[int, int, Any]] = []
             for key, vmeta in meta["variations"].items():
                 s = self.variation_samples(r, key)
-                labels = tuple(vmeta["labels"]) if vmeta["labels"] is not None else None
+                labels = from_json(vmeta["labels"])
+                labels = tuple(labels) if labels is not None else None
                 for seq in np.unique(s["seq"]).tolist():
                     m = s["seq"] == seq
                     events.append((seq, 0, VariationSample(
@@ -237,11 +348,11 @@ class RunStore:
                         torch.from_numpy(s["world"][m]), torch.from_numpy(s["episode"][m]),
                         torch.from_numpy(np.ascontiguousarray(s["value"][m])), labels)))
             n = int(meta["committed"]["episodes"])
-            group = self._group(r, "episodes")
-            cols = {c: self._column(group, c, n, "int64") for c in ("world", "index", "length",
-                                                                    "end_step", "end_seq")}
-            flags = {c: self._column(group, c, n, "bool") for c in ("success", "terminated",
-                                                                    "truncated")}
+            group = self._group(r, "episodes", n)
+            cols = {c: self._column(r, group, c, n, "int64") for c in ("world", "index", "length",
+                                                                       "end_step", "end_seq")}
+            flags = {c: self._column(r, group, c, n, "bool") for c in ("success", "terminated",
+                                                                       "truncated")}
             for seq in np.unique(cols["end_seq"]).tolist():
                 m = cols["end_seq"] == seq
                 t = {k: torch.from_numpy(v[m]) for k, v in {**cols, **flags}.items()}
@@ -251,3 +362,25 @@ class RunStore:
             for _, _, message in sorted(events, key=lambda e: (e[0], e[1])):
                 table(message)
         return table
+
+
+def _missing_chunks(arr: zarr.Array[Any], start: int, stop: int) -> list[int]:
+    """Row-chunk indices of ``arr`` within rows ``[start, stop)`` whose chunk is not stored
+    (zarr would read them as the fill value)."""
+    from zarr.core.sync import sync
+
+    rows = int(arr.chunks[0])
+    first, last = start // rows, (stop - 1) // rows
+    meta = arr.metadata
+    store = arr.store_path.store
+    prefix = f"{arr.store_path.path}/" if arr.store_path.path else ""
+    rest = (0,) * (len(arr.shape) - 1)
+    keys = [(i, prefix + meta.encode_chunk_key((i, *rest))) for i in range(first, last + 1)]
+
+    async def check() -> list[bool]:
+        import asyncio
+
+        return list(await asyncio.gather(*(store.exists(k) for _, k in keys)))
+
+    found = sync(check())
+    return [i for (i, _), ok in zip(keys, found, strict=True) if not ok]

@@ -1,9 +1,13 @@
-"""Fixtures for the transport tests: free loopback endpoints, and publishers/subscribers that are
-closed (linger 0) at teardown even when a test fails."""
+"""Fixtures for the transport tests: free loopback endpoints, publishers/subscribers that are
+closed (linger 0) at teardown even when a test fails, batches whose every byte derives from their
+number (and the check of a received one), and a TCP relay that cuts connections on cue."""
 
 from __future__ import annotations
 
 import contextlib
+import select
+import socket
+import struct
 import tempfile
 import threading
 import time
@@ -97,6 +101,105 @@ def batch(seq: int, worlds: int = 4, width: int = 3, *, run: str = "run-a", topi
                  {"x": torch.full((worlds, width), fill), "done": torch.zeros(worlds, dtype=torch.bool)})
 
 
+def numbered(seq: int, worlds: int = 4, width: int = 3, *, run: str = "run-a",
+             topic: str = "batch/obs") -> Batch:
+    """A batch whose every byte derives from ``seq``: a message torn from two others, or one
+    that arrives under another's header, fails :func:`check_numbered`."""
+    n = worlds * width
+    x = ((torch.arange(n, dtype=torch.int64) + seq * 100_003) % (1 << 24)).to(torch.float32)
+    ids = torch.arange(n, dtype=torch.int64) * 1_000_003 + seq
+    return Batch(run, seq, seq, topic, torch.arange(worlds), torch.full((worlds,), seq, dtype=torch.int64),
+                 {"x": x.reshape(worlds, width), "id": ids.reshape(worlds, width)})
+
+
+def _bytes(t: torch.Tensor) -> bytes:
+    return t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+def check_numbered(item: Any, *, run: str = "run-a", topic: str = "batch/obs") -> int:
+    """Assert that ``item`` is byte for byte the :func:`numbered` batch of its ``seq`` (header
+    fields too); returns the seq."""
+    assert isinstance(item, Batch), item
+    worlds, width = item.fields["x"].shape
+    want = numbered(item.seq, worlds, width, run=run, topic=topic)
+    assert (item.run, item.topic, item.step, item.hook) == (want.run, want.topic, want.step, want.hook)
+    for name in ("worlds", "episodes"):
+        a, b = getattr(item, name), getattr(want, name)
+        assert a.dtype == b.dtype, f"{name} of message {item.seq}"
+        assert _bytes(a) == _bytes(b), f"{name} of message {item.seq}"
+    assert item.fields.keys() == want.fields.keys()
+    for name, t in want.fields.items():
+        got = item.fields[name]
+        assert got.dtype == t.dtype, f"field {name!r} of message {item.seq}"
+        assert got.shape == t.shape, f"field {name!r} of message {item.seq}"
+        assert _bytes(got) == _bytes(t), f"field {name!r} of message {item.seq} is not its own"
+    return int(item.seq)
+
+
+class Relay:
+    """A TCP relay to ``target`` (a bound subscriber) that a publisher connects to. Fault
+    injection: after ``cut_on(marker)``, the first chunk from the publisher that holds
+    ``marker`` is dropped and both connections are closed at once, as a network failure would;
+    the publisher reconnects through the relay."""
+
+    def __init__(self, target: str) -> None:
+        host, port = target.removeprefix("tcp://").rsplit(":", 1)
+        self._target = (host, int(port))
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.endpoint = f"tcp://127.0.0.1:{self._listener.getsockname()[1]}"
+        self.accepted = 0
+        self.cuts = 0
+        self._marker: bytes | None = None
+        self._pairs: list[tuple[socket.socket, socket.socket]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._pump, name="test-relay", daemon=True)
+        self._thread.start()
+
+    def cut_on(self, marker: bytes) -> None:
+        self._marker = marker
+
+    def _pump(self) -> None:
+        while not self._stop.is_set():
+            sockets = [self._listener] + [s for pair in self._pairs for s in pair]
+            ready, _, _ = select.select(sockets, [], [], 0.02)
+            for sock in ready:
+                if sock is self._listener:
+                    client, _ = self._listener.accept()
+                    self._pairs.append((client, socket.create_connection(self._target)))
+                    self.accepted += 1
+                    continue
+                pair = next((p for p in self._pairs if sock in p), None)
+                if pair is None:
+                    continue
+                try:
+                    data = sock.recv(1 << 16)
+                except OSError:
+                    data = b""
+                marker = self._marker
+                if data and sock is pair[0] and marker is not None and marker in data:
+                    self._marker = None
+                    self.cuts += 1
+                    data = b""
+                if not data:
+                    self._close(pair)
+                    continue
+                (pair[1] if sock is pair[0] else pair[0]).sendall(data)
+
+    def _close(self, pair: tuple[socket.socket, socket.socket]) -> None:
+        self._pairs.remove(pair)
+        for s in pair:
+            with contextlib.suppress(OSError):
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            s.close()  # linger 0: a reset, whatever was in flight is lost
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+        for pair in list(self._pairs):
+            self._close(pair)
+        self._listener.close()
+
+
 def run_start(run: str = "run-a", worlds: int = 4) -> RunStart:
     return RunStart(run, 0, 0, worlds, "cpu")
 
@@ -149,6 +252,29 @@ def batch_fixture() -> Callable[..., Batch]:
 def close_and_drain_fixture() -> Callable[..., list[Any]]:
     """:func:`close_and_drain`, for tests."""
     return close_and_drain
+
+
+@pytest.fixture(name="numbered")
+def numbered_fixture() -> Callable[..., Batch]:
+    """:func:`numbered`, for tests."""
+    return numbered
+
+
+@pytest.fixture(name="check_numbered")
+def check_numbered_fixture() -> Callable[..., int]:
+    """:func:`check_numbered`, for tests."""
+    return check_numbered
+
+
+@pytest.fixture
+def make_relay(closing: list[Any]) -> Callable[[str], Relay]:
+    """Relays (see :class:`Relay`), closed at teardown."""
+    def make(target: str) -> Relay:
+        relay = Relay(target)
+        closing.append(relay)
+        return relay
+
+    return make
 
 
 @pytest.fixture(name="drain")

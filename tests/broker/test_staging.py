@@ -1,4 +1,5 @@
-"""The staging ring copies every tensor's bits exactly, whatever its dtype or strides."""
+"""The staging ring copies every tensor's bits exactly, whatever its dtype or strides; it never hands
+out a slot ZeroMQ may still read; its plan cache stays bounded."""
 
 from __future__ import annotations
 
@@ -6,7 +7,9 @@ import threading
 
 import pytest
 import torch
+import zmq
 
+from broker import staging
 from broker.staging import StagingRing
 
 DTYPES = [torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16,
@@ -57,3 +60,63 @@ def test_overwriting_the_source_after_staging_changes_nothing_staged() -> None:
     layout, _ = ring.stage(slot, [t])
     t.fill_(-1)
     assert bytes(slot.frame(*layout[0])) == _bits(torch.arange(8, dtype=torch.float32))
+
+
+class FakeTracker:
+    """A :class:`zmq.MessageTracker` whose completion the test decides."""
+
+    def __init__(self) -> None:
+        self.finished = False
+
+    @property
+    def done(self) -> bool:
+        return self.finished
+
+    def wait(self, timeout: float = -1) -> None:
+        if not self.finished:
+            raise zmq.NotDone
+
+
+def test_a_slot_zeromq_still_reads_is_refused_until_its_tracker_is_done() -> None:
+    """A refused slot used to forget its tracker: the next message was copied into bytes
+    ZeroMQ was still sending."""
+    ring = StagingRing(1, threading.Condition())
+    slot = ring.acquire(False, 0.0)
+    assert slot is not None
+    layout, _ = ring.stage(slot, [torch.arange(100, dtype=torch.int64)])
+    tracker = FakeTracker()
+    ring.release(slot, tracker)
+    for wait in (False, True, False, True):  # drop policy, and block policy after a timeout
+        assert ring.acquire(wait, 0.0) is None
+    assert slot.tracker is tracker
+    assert bytes(slot.frame(*layout[0])) == _bits(torch.arange(100, dtype=torch.int64))
+    tracker.finished = True
+    assert ring.acquire(False, 0.0) is slot
+    assert slot.tracker is None
+
+
+def test_a_closed_ring_hands_out_nothing() -> None:
+    ring = StagingRing(2, threading.Condition())
+    ring.close()
+    assert ring.acquire(True, 0.0) is None
+    assert ring.acquire(False, 0.0) is None
+
+
+def test_plans_stay_bounded_for_variable_shapes_and_repeated_shapes_stay_cached() -> None:
+    """Episode ends and reset batches bring a new shape almost every time: the plan cache used
+    to keep one plan per shape forever."""
+    ring = StagingRing(1, threading.Condition())
+    slot = ring.acquire(False, 0.0)
+    assert slot is not None
+    steady = [torch.arange(4 * 37, dtype=torch.float32).reshape(4, 37), torch.ones(4, dtype=torch.bool)]
+    ring.stage(slot, steady)
+    hot = slot.recent
+    for n in range(1, 200):  # a reset of n worlds, then the per-step batch again (all fit in 4 kB)
+        reset = [torch.arange(n, dtype=torch.int64), torch.arange(n, dtype=torch.int64) * -3,
+                 torch.arange(n) % 2 == 0]
+        layout, _ = ring.stage(slot, reset)
+        assert [bytes(slot.frame(*lo)) for lo in layout] == [_bits(t) for t in reset]
+        assert len(slot.plans) <= staging.PLANS_PER_SLOT
+        layout, _ = ring.stage(slot, steady)
+        assert slot.recent is hot  # the per-step shape is planned once, whatever came between
+        assert [bytes(slot.frame(*lo)) for lo in layout] == [_bits(t) for t in steady]

@@ -213,6 +213,18 @@ def test_encode_rejects_what_the_wire_cannot_carry() -> None:
     assert isinstance(info.value.__cause__, TypeError)
 
 
+def test_encode_refuses_run_messages_receivers_would_reject() -> None:
+    """msgpack packs int map keys and any dtype string, but receivers reject them: refusing at
+    encode time tells the caller, where a receiver could only count the run's start as bad."""
+    with pytest.raises(WireFormatError, match=r"topic 'run/start': receivers would reject this message "
+                                              r"\(header\): .*int is not allowed for map key") as info:
+        encode(RunStart("r", 0, 0, 2, "cpu", {}, {"gains": {1: 0.5}}))
+    assert info.value.reason == "encode"
+    with pytest.raises(WireFormatError, match=r"topic 'run/end': receivers would reject this message \(dtype\): "
+                                              r".*field 'z': dtype 'complex64' is not on the whitelist"):
+        encode(RunEnd("r", 0, 0, 2, "cpu", {"batch/a": {"z": FieldSpec("complex64", (2,))}}))
+
+
 # -- bad input ---------------------------------------------------------------------------
 
 
@@ -277,6 +289,29 @@ def test_size_limits() -> None:
     with pytest.raises(WireFormatError, match="exceeds max_message_size=64") as info:
         decode(_good(), max_message_size=64)
     assert info.value.reason == "too large"
+
+
+def _empty_batch(shape: tuple[int, ...]) -> list[bytes]:
+    none = torch.zeros(0, dtype=torch.int64)
+    return _bytes(encode(Batch("r", 0, 0, "batch/a", none, none, {"x": torch.zeros(shape)})))
+
+
+def test_shapes_are_bounded_by_max_message_size() -> None:
+    """A shape may span at most max_message_size bytes with each 0 counted as 1: an empty field
+    cannot declare rows that no message could carry (their products overflowed downstream)."""
+    assert decode(_empty_batch((0, 64)), max_message_size=256).fields["x"].shape == (0, 64)  # type: ignore[union-attr]
+    with pytest.raises(WireFormatError, match=r"tensor 'x': shape \[0, 65\] of float32 spans more than "
+                                              r"max_message_size=256 bytes \(each 0 counted as 1\)") as info:
+        decode(_empty_batch((0, 65)), max_message_size=256)
+    assert info.value.reason == "shape"
+    start = RunStart("r", 0, 0, 2, "cpu", {"batch/a": {"x": FieldSpec("float32", (65,))}})
+    with pytest.raises(WireFormatError, match=r"schema of 'batch/a' field 'x': shape \[65\] of float32 spans "
+                                              r"more than max_message_size=256 bytes") as info:
+        decode(_bytes(encode(start)), max_message_size=256)
+    assert info.value.reason == "shape"
+    huge = RunStart("r", 0, 0, 2, "cpu", {"batch/a": {"x": FieldSpec("float32", (2**61,))}})
+    with pytest.raises(WireFormatError, match="spans more than max_message_size=4611686018427387904 bytes"):
+        decode(_bytes(encode(huge)), max_message_size=2**70)  # never beyond 2**62, whatever the caller allows
 
 
 @settings(max_examples=300, deadline=None)

@@ -31,8 +31,8 @@ def test_exported_surface() -> None:
         "TOPIC_RUN_START", "Batch", "Broker", "BrokerClosedError", "BrokerError", "BrokerStatistics",
         "Consumer", "ConsumerError", "CurveClient", "CurveServer", "EpisodeEnd", "FieldSpec", "Gap",
         "KeyPair", "Message", "Phase", "Policy", "PublisherStatistics", "RunEnd", "RunStart",
-        "SecurityError", "SendTimeoutError", "Subscriber", "SubscriberStatistics",
-        "SubscriberTimeoutError", "Subscription", "TransportError", "VariationSample",
+        "SchemaError", "SecurityError", "SendTimeoutError", "Subscriber", "SubscriberStatistics",
+        "SubscriberTimeoutError", "Subscription", "TopicSchema", "TransportError", "VariationSample",
         "WireFormatError", "ZmqPublisher", "batch_topic", "decode", "encode", "load_keypair",
         "load_public_keys", "variation_topic", "write_keypair",
     }

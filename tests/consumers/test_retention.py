@@ -2,13 +2,16 @@ from __future__ import annotations
 
 import random
 from collections import defaultdict
+from typing import Any
 
 import pytest
 import torch
 
+import broker
 from broker import Batch, Broker, EpisodeEnd, Message
 from capture import FunctionTerm, Recorder
-from consumers import FinishedEpisode, Retention, RetentionError
+from consumers import FinishedEpisode, Retention, RetentionError, RetentionSchemaError
+from consumers._buffers import PerWorldBuffer, SharedAxisBuffer
 
 DEVICES = [pytest.param("cpu"), pytest.param("cuda", marks=pytest.mark.cuda)]
 
@@ -172,9 +175,22 @@ def test_reuse_after_reset_leaves_no_stale_rows() -> None:
     assert retention.episode(1)["t"]["x"].shape == (24, 1)
 
 
-def test_without_a_sink_no_snapshot_is_built() -> None:
-    _, _, finished, _ = simulate("cpu", seed=3, steps=20, num_worlds=4, capacity=4, sink=False)
-    assert finished == []
+@pytest.mark.parametrize("sink", [False, True])
+def test_without_a_sink_no_snapshot_is_built(monkeypatch: pytest.MonkeyPatch, sink: bool) -> None:
+    """Finished episodes are only snapshotted for a sink: count every buffer read."""
+    reads = {"n": 0}
+    for cls in (SharedAxisBuffer, PerWorldBuffer):
+        def counted(self: object, world: int, _read: Any = cls.read) -> dict[str, torch.Tensor]:
+            reads["n"] += 1
+            return _read(self, world)  # type: ignore[no-any-return]
+        monkeypatch.setattr(cls, "read", counted)
+    _, reference, finished, _ = simulate("cpu", seed=3, steps=20, num_worlds=4, capacity=4, sink=sink)
+    assert reference.finished, "no episode ended: the test would prove nothing"
+    if sink:
+        assert reads["n"] > 0  # the counter sees the snapshot path
+        assert finished
+    else:
+        assert (reads["n"], finished) == (0, [])
 
 
 def test_reset_only_topics_keep_their_own_counters() -> None:
@@ -203,14 +219,96 @@ def test_bad_input_is_rejected_with_a_clear_error() -> None:
     with pytest.raises(RetentionError, match="the number of worlds is unknown"):
         retention(Batch("r", 0, 0, "batch/t", w, w, {"x": torch.zeros(2)}))
     retention = Retention(num_worlds=2)
+    with pytest.raises(RetentionSchemaError, match=r"topic 'batch/t' field 'x': expected a leading worlds dimension of 2, got shape \(3,\)"):
+        retention(Batch("r", 0, 0, "batch/t", w, w, {"x": torch.zeros(3)}))
+    assert retention.capacity == {}  # a first batch that did not fit fixes no schema
     retention(Batch("r", 0, 0, "batch/t", w, w, {"x": torch.zeros(2)}))
-    with pytest.raises(RetentionError, match=r"topic 'batch/t' field 'x': expected torch.float32 per-world shape \(\), got torch.int64"):
+    with pytest.raises(RetentionSchemaError, match=r"topic 'batch/t' field 'x': expected float32 per-world shape \(\), got int64 per-world shape \(\)"):
         retention(Batch("r", 1, 0, "batch/t", w, w, {"x": torch.zeros(2, dtype=torch.int64)}))
-    with pytest.raises(RetentionError, match=r"expected fields \['x'\], got \['y'\]"):
+    with pytest.raises(RetentionSchemaError, match=r"expected fields \['x'\], got \['y'\] \(missing \['x'\], extra \['y'\]\)"):
         retention(Batch("r", 1, 0, "batch/t", w, w, {"y": torch.zeros(2)}))
+    with pytest.raises(RetentionSchemaError, match=r"field 'x': expected a leading worlds dimension of 1, got shape \(2,\)"):
+        retention(Batch("r", 1, 0, "batch/t", w[:1], w[:1], {"x": torch.zeros(2)}))  # broadcast before
+    with pytest.raises(RetentionError, match=r"topic 'batch/t': expected worlds as a 1-D integer index of at most 2 worlds, got dtype torch.float32 shape \(2,\)"):
+        retention(Batch("r", 1, 0, "batch/t", w.float(), w, {"x": torch.zeros(2)}))
+    with pytest.raises(RetentionError, match=r"at most 2 worlds, got dtype torch.int64 shape \(3,\)"):
+        retention(Batch("r", 1, 0, "batch/t", torch.arange(3), w, {"x": torch.zeros(3)}))
     with pytest.raises(RetentionError, match=r"world: expected an index in \[0, 2\), got 5"):
         retention.episode(5)
+    with pytest.raises(RetentionError, match=r"term: expected one of \['t'\], got 'u'"):
+        retention.episode_length(0, "u")
     with pytest.raises(ValueError, match="initial_capacity: expected a positive int, got 0"):
         Retention(initial_capacity=0)
     with pytest.raises(ValueError, match=r"growth: expected a factor > 1, got 1\.0"):
         Retention(growth=1.0)
+    assert retention.statistics().batches == 1  # nothing rejected was counted
+
+
+def test_schema_errors_are_broker_schema_errors() -> None:
+    """One vocabulary across packages: ``except broker.SchemaError`` catches retention's."""
+    assert issubclass(RetentionSchemaError, RetentionError)
+    assert issubclass(RetentionSchemaError, broker.SchemaError)
+    retention = Retention(num_worlds=1)
+    w = torch.zeros(1, dtype=torch.int64)
+    retention(Batch("r", 0, 0, "batch/t", w, w, {"x": torch.zeros(1)}))
+    with pytest.raises(broker.SchemaError, match=r"topic 'batch/t': expected fields \['x'\], got \['x', 'y'\]"):
+        retention(Batch("r", 1, 0, "batch/t", w, w, {"x": torch.zeros(1), "y": torch.zeros(1)}))
+
+
+def _rows(step: int, worlds: list[int], width: int, dtype: torch.dtype, salt: int) -> torch.Tensor:
+    """Rows no other (step, world, field) shares: ``step * 1000 + world * 10 + salt``."""
+    base = torch.tensor([step * 1000 + w * 10 + salt for w in worlds], dtype=torch.float64)
+    return base[:, None].repeat(1, width).to(dtype) if width else base.to(dtype)
+
+
+@pytest.mark.parametrize(
+    ("spec_a", "spec_b"),
+    [
+        ((3, torch.float32), (3, torch.float32)),  # same dtype and shape: silently swapped before
+        ((2, torch.float32), (2, torch.int64)),  # same shape, other dtype: silently converted before
+        ((1, torch.float64), (4, torch.float64)),  # other shapes: broadcast (or refused) before
+    ],
+)
+@pytest.mark.parametrize("partial_first", [False, True])
+def test_fields_are_copied_by_name_whatever_their_order(
+    spec_a: tuple[int, torch.dtype], spec_b: tuple[int, torch.dtype], partial_first: bool
+) -> None:
+    """Issue 18: a topic's fields in another dict order land in their own buffers, by name."""
+    n = 3
+    retention = Retention(num_worlds=n, initial_capacity=2)
+    everyone = list(range(n))
+    expected: dict[int, dict[str, list[torch.Tensor]]] = {w: {"a": [], "b": []} for w in everyone}
+    for step in range(5):
+        worlds = [2, 0] if partial_first and step == 0 else everyone
+        a = _rows(step, worlds, spec_a[0], spec_a[1], salt=1)
+        b = _rows(step, worlds, spec_b[0], spec_b[1], salt=2)
+        fields = {"a": a, "b": b} if step % 2 == 0 else {"b": b, "a": a}
+        idx = torch.tensor(worlds)
+        retention(Batch("r", step, step, "batch/t", idx, torch.zeros(len(worlds), dtype=torch.int64), fields))
+        for row, w in enumerate(worlds):
+            expected[w]["a"].append(a[row].clone())
+            expected[w]["b"].append(b[row].clone())
+        a.fill_(-7)  # the publisher owns its tensors again
+        b.fill_(-7)
+    for w in everyone:
+        assert_same(retention.episode(w), {"t": {f: torch.stack(rows) for f, rows in expected[w].items()}})
+
+
+def test_a_worlds_buffer_refilled_in_place_is_never_trusted() -> None:
+    """Issue 19: a publisher reusing one worlds buffer (identity first, a permutation later)
+    gets every row written to the world the buffer names at that batch."""
+    n = 4
+    retention = Retention(num_worlds=n, initial_capacity=2)
+    worlds = torch.arange(n)  # ONE buffer, refilled in place before each batch
+    orders = [[0, 1, 2, 3], [3, 1, 0, 2], [0, 1, 2, 3], [1, 0, 3, 2], [2, 3, 1, 0]]
+    expected: dict[int, list[torch.Tensor]] = {w: [] for w in range(n)}
+    for step, order in enumerate(orders):
+        worlds.copy_(torch.tensor(order))
+        x = _rows(step, order, 2, torch.float32, salt=0)
+        retention(Batch("r", step, step, "batch/t", worlds, torch.zeros(n, dtype=torch.int64), {"x": x}))
+        for row, w in enumerate(order):
+            expected[w].append(x[row].clone())
+    worlds.fill_(0)  # and scribbled on after the last publish
+    for w in range(n):
+        assert_same(retention.episode(w), {"t": {"x": torch.stack(expected[w])}})
+        assert retention.episode_length(w, "t") == len(orders)

@@ -15,7 +15,8 @@ from zarr.core.buffer import Buffer, BufferPrototype
 from zarr.storage import MemoryStore
 
 from storage._columns import Column, write_columns
-from storage._zarr_io import CHUNK_KEYS, Compression, compressors
+from storage._format import CHUNK_KEYS, Compression
+from storage._format import codecs as compressors
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -73,7 +73,7 @@ def test_cli_round_trip_and_info_through_entry_point(spawn: object, tmp_path: Pa
     threads = subprocess.run([*cmd, str(tmp_path / "x.zarr"), "--io-threads", "0"], capture_output=True,
                              text=True, env=ENV, timeout=60)
     assert threads.returncode == 2
-    assert "--io-threads: expected a positive number of threads, got 0" in threads.stderr
+    assert "argument --io-threads: expected a positive integer, got '0'" in threads.stderr
 
 
 @pytest.mark.parametrize("seed", [1, 2, 3])

@@ -4,15 +4,18 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 from pathlib import Path
 
 import pytest
 import zarr
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from storage_sim import Sim
 
 from broker import Broker
-from storage import RunStore, StoreDaemon, StoreLock, StoreLockedError, _zarr_io, failed_store_location
-from storage._zarr_io import SyncedLocalStore, decode_name, encode_name, open_store
+from storage import RunStore, StoreDaemon, StoreLock, StoreLockedError, _format, failed_store_location
+from storage._format import SyncedLocalStore, name_of, node_name, open_store
 from storage.cli import parse_size
 from storage.status import StatusReporter
 
@@ -42,13 +45,44 @@ def test_parse_size_rejects() -> None:
         parse_size("0")
 
 
-def test_names_and_locations(tmp_path: Path) -> None:
-    for name in ("run-a", "a/b", "__x", ".", "100%"):
-        node = encode_name(name)
-        assert "/" not in node
-        assert not node.startswith("__")
-        assert node not in (".", "..")
-    assert decode_name(encode_name("a/b")) == "a/b"
+RESERVED = ("zarr.json", ".", "..", "_step", "_hook", "c", ".zattrs", ".zgroup", ".zarray")
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.text(min_size=1, max_size=300))
+def test_node_names_round_trip_and_never_land_on_reserved_names(name: str) -> None:
+    node = node_name(name)
+    assert node == node_name(name)  # stable
+    for bad in ("/", "\\", "\x00"):
+        assert bad not in node
+    assert not node.startswith(("_", "."))
+    assert node not in RESERVED
+    assert not node.endswith(".partial")
+    assert len(node.encode()) <= 120
+    back = name_of(node)
+    assert back == name or (back is None and "~" in node)
+
+
+@pytest.mark.parametrize("name", ["__x", "..", ".", "batch/..", "a/b", "100%", "_step", "zarr.json",
+                                  "x.partial", "\x00", "é", "a" * 300, "%41"])
+def test_node_names_of_the_campaign_cases(name: str) -> None:
+    node = node_name(name)
+    assert name_of(node) in (name, None)
+    if len(name) < 30:
+        assert name_of(node) == name
+    assert node not in RESERVED
+    assert "/" not in node
+
+
+def test_node_names_do_not_collide() -> None:
+    names = ["a/b", "a%2Fb", "a_b", "_ab", "A", "a", "a" * 300, "a" * 301, "%", "%25"]
+    nodes = [node_name(n) for n in names]
+    assert len(set(nodes)) == len(names)
+    with pytest.raises(ValueError, match="expected a non-empty name"):
+        node_name("")
+
+
+def test_locations(tmp_path: Path) -> None:
     assert failed_store_location(tmp_path / "runs.zarr") == str(tmp_path / "runs_failed.zarr")
     assert failed_store_location("s3://bucket/runs.zarr") == "s3://bucket/runs_failed.zarr"
     assert failed_store_location(str(tmp_path / "plain")) == str(tmp_path / "plain_failed")
@@ -56,27 +90,48 @@ def test_names_and_locations(tmp_path: Path) -> None:
     assert isinstance(open_store("memory://x"), zarr.abc.store.Store)
 
 
-def test_fsync_store_round_trip(broker: Broker, tmp_path: Path,
-                                monkeypatch: pytest.MonkeyPatch) -> None:
-    synced: set[Path] = set()
-    real = _zarr_io._fsync_path
+def test_fsync_store_syncs_every_file_before_it_replaces_the_old_one(
+        broker: Broker, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every file of the store, chunks and metadata, is written to a temporary file that is
+    fsync-ed *before* it is renamed over its key (a power cut between the rename and a later
+    sync could leave an empty commit point), and its directory is fsync-ed after."""
+    events: list[tuple[str, str]] = []
+    real_fsync, real_replace, real_link = os.fsync, os.replace, os.link
 
-    def spy(path: Path) -> None:
-        synced.add(Path(path))
-        real(path)
+    def fsync(fd: int) -> None:
+        events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
+        real_fsync(fd)
 
-    monkeypatch.setattr(_zarr_io, "_fsync_path", spy)
+    def replace(src: str | os.PathLike[str], dst: str | os.PathLike[str]) -> None:
+        events.append(("rename", f"{src} -> {dst}"))
+        real_replace(src, dst)
+
+    def link(src: str | os.PathLike[str], dst: str | os.PathLike[str]) -> None:
+        events.append(("rename", f"{src} -> {dst}"))
+        real_link(src, dst)
+
+    monkeypatch.setattr(_format.os, "fsync", fsync)
+    monkeypatch.setattr(_format.os, "replace", replace)
+    monkeypatch.setattr(_format.os, "link", link)
     daemon = StoreDaemon(tmp_path / "runs.zarr", fsync=True)
     broker.subscribe("", daemon)
     sim = Sim(broker, 3, reset_p=0.2)
     sim.step(20)
     sim.close()
     daemon.close()
+    monkeypatch.undo()
     assert len(RunStore(tmp_path / "runs.zarr").episodes("run-a")) == len(sim.outcome) > 0
-    files = {p for p in (tmp_path / "runs.zarr").rglob("*") if p.is_file()}
-    chunks = {p for p in files if p.name != "zarr.json"}
-    assert chunks, "no chunk files written"
-    assert files <= synced  # every file, chunks and metadata, went through fsync
+    renames = [(i, text.split(" -> ")) for i, (kind, text) in enumerate(events) if kind == "rename"]
+    written = {dst for _, (_, dst) in renames}
+    root_meta = str(tmp_path / "runs.zarr" / "zarr.json")
+    files = {str(p) for p in (tmp_path / "runs.zarr").rglob("*") if p.is_file()} - {root_meta}
+    assert files <= written, sorted(files - written)[:5]  # every file went through the synced path
+    for i, (src, dst) in renames:
+        synced_before = [j for j, (kind, path) in enumerate(events[:i]) if kind == "fsync" and path == src]
+        assert synced_before, f"{dst} was renamed into place before its bytes were synced"
+        dir_after = [j for j, (kind, path) in enumerate(events[i:]) if kind == "fsync"
+                     and path == str(Path(dst).parent)]
+        assert dir_after, f"the directory of {dst} was not synced after the rename"
 
 
 def test_status_log_lines(broker: Broker, caplog: pytest.LogCaptureFixture) -> None:

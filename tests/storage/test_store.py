@@ -187,28 +187,39 @@ def test_gap_drops_episodes_in_progress_and_is_recorded(broker: Broker) -> None:
     assert daemon.statistics().episodes_incomplete == 2
 
 
-def test_rejected_messages_are_counted_and_skipped(broker: Broker) -> None:
+def test_rejected_messages_are_counted_and_their_episodes_never_stored(broker: Broker) -> None:
+    """A rejected batch mid-episode makes that episode incomplete (it was stored as complete,
+    with missing rows, before); later episodes of the same worlds are stored byte-exact."""
     store = zarr.storage.MemoryStore()
     daemon = StoreDaemon(store, commit_interval=0.0)
     broker.subscribe("", daemon)
     sim = Sim(broker, 3, reset_p=0.0)
     sim.step(3)
     w = torch.arange(3)
+    seq = sim.rec.next_seq
     bad = [
-        Batch("run-a", 10_000, 3, "batch/obs", w, torch.zeros(3, dtype=torch.int64),
+        Batch("run-a", seq(), 3, "batch/obs", w, torch.zeros(3, dtype=torch.int64),
               {"state": torch.zeros(3, 5)}),  # schema change
-        Batch("run-a", 10_001, 3, "batch/x", w, torch.zeros(2, dtype=torch.int64),
+        Batch("run-a", seq(), 3, "batch/x", w, torch.zeros(2, dtype=torch.int64),
               {"a": torch.zeros(3)}),  # episodes of the wrong length
-        EpisodeEnd("run-a", 10_002, 3, torch.tensor([0, 0]), torch.zeros(2, dtype=torch.int64),
+        EpisodeEnd("run-a", seq(), 3, torch.tensor([0, 0]), torch.zeros(2, dtype=torch.int64),
                    *(torch.zeros(2, dtype=torch.bool),) * 3, torch.zeros(2, dtype=torch.int64)),
     ]
     for message in bad:
         daemon.handle(message)
-    sim.step(3, force_reset=[0, 1, 2])
+    sim.step(1, force_reset=[0, 1, 2])  # ends the episodes the rejected batches touched
+    sim.step(2)
+    sim.step(1, force_reset=[0, 1, 2])  # whole episodes after them
     sim.close()
     daemon.close()
-    assert sum(daemon.statistics().rejected.values()) == 3
-    check_all(RunStore(store), sim)
+    stats = daemon.statistics()
+    assert dict(stats.rejected) == {"schema": 1, "worlds": 2}
+    assert stats.episodes_incomplete == 3
+    reader = RunStore(store)
+    stored = {(r["world"], r["index"]) for r in reader.episodes("run-a").rows()}
+    assert stored == {(w, 1) for w in range(3)}
+    for key in stored:
+        assert_episode_equal(reader.episode("run-a", *key), sim.arrays(key))
 
 
 def test_resume_truncates_uncommitted_rows(tmp_path: Path) -> None:
@@ -216,27 +227,32 @@ def test_resume_truncates_uncommitted_rows(tmp_path: Path) -> None:
     from broker import FieldSpec
 
     run = writer.run("r", num_worlds=2)
-    run.ensure_term("t", {"v": FieldSpec("float32", (2,))})
+    run.declare_term("t", {"v": FieldSpec("float32", (2,))})
+    run.create_term("t")
     ones = np.ones((4, 2), np.float32)
     off = run.append("t", {"v": ones}, np.arange(4), np.ones(4, np.uint8))
-    from storage.zarr_store import EpisodeRows
+    from storage.run_writer import EpisodeRows
 
     cols = {"world": np.array([0]), "index": np.array([0]), "length": np.array([4]),
             "success": np.array([True]), "terminated": np.array([False]),
             "truncated": np.array([False]), "end_step": np.array([4]), "end_seq": np.array([9]),
             "segment_count": np.array([1])}
     run.commit(EpisodeRows(cols, np.array([[0, off, 4]])))
+    spec = FieldSpec("float64", (3,))
     count = run.append_variation("k", "runtime", None, np.array([0]), np.array([0]),
-                                 np.array([1]), np.array([2]), np.ones((1, 3)))
+                                 np.array([1]), np.array([2]), np.ones((1, 3)), spec)
     run.commit(variations={"k": count})
     run.append_variation("k", "runtime", None, np.array([1]), np.array([0]), np.array([5]),
-                         np.array([6]), np.ones((1, 3)))  # never committed
+                         np.array([6]), np.ones((1, 3)), spec)  # never committed
     run.append("t", {"v": 2 * ones}, np.arange(4), np.ones(4, np.uint8))  # never committed
     run.group["episodes/world"].append(np.array([1]))  # an interrupted commit's debris
     reader = RunStore(tmp_path / "s.zarr")
     assert len(reader.episodes("r")) == 1
     assert reader.episode("r", 0, 0)["t/v"].tobytes() == ones.tobytes()
+    from storage.daemon import _resume_job
+
     again = RunStoreWriter(tmp_path / "s.zarr").run("r", num_worlds=2)
+    _resume_job(again)  # what a daemon does first with a run it reopens
     assert again.rows("t") == 4
     assert again.group["episodes/world"].shape == (1,)
     assert again.meta["resumed"] == 1
@@ -246,11 +262,12 @@ def test_resume_truncates_uncommitted_rows(tmp_path: Path) -> None:
 
 def test_unreferenced_chunks_are_deleted_and_referenced_ones_kept(tmp_path: Path) -> None:
     from broker import FieldSpec
-    from storage.zarr_store import EpisodeRows
+    from storage.run_writer import EpisodeRows
 
     writer = RunStoreWriter(tmp_path / "s.zarr", chunk_bytes=8 * 4)  # 4 rows of v per chunk
     run = writer.run("r", num_worlds=1)
-    run.ensure_term("t", {"v": FieldSpec("float32", (2,))})
+    run.declare_term("t", {"v": FieldSpec("float32", (2,))})
+    run.create_term("t")
     rows = np.arange(40, dtype=np.float32).reshape(20, 2) + 1
     run.append("t", {"v": rows}, np.arange(20), np.ones(20, np.uint8))
     # two committed episodes: rows 0-2 and 13-14; rows 3-12 and 15-19 are orphaned fragments
@@ -259,7 +276,7 @@ def test_unreferenced_chunks_are_deleted_and_referenced_ones_kept(tmp_path: Path
             "truncated": np.array([False, False]), "end_step": np.array([3, 15]),
             "end_seq": np.array([3, 15]), "segment_count": np.array([1, 1])}
     run.commit(EpisodeRows(cols, np.array([[0, 0, 3], [0, 13, 2]])))
-    reclaimed = run._zero_holes(piece=1)  # the segment table read one row at a time
+    reclaimed = run.zero_holes(piece=1)  # the segment table read one row at a time
     chunks = sorted(p.name for p in (tmp_path / "s.zarr/runs/r/data/t/v").glob("c.*"))
     assert chunks == ["c.0.0", "c.3.0"]  # rows 0-3 and 12-15 hold committed rows; 4-11, 16-19 are gone
     assert reclaimed == 12

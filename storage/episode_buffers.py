@@ -1,25 +1,26 @@
-"""Episode assembly with bounded memory: per-topic ``[capacity, worlds, ...]`` buffers.
+"""The rows of episodes in progress, per topic, in bounded buffers; and the packer that moves
+finished rows out of them to the run's writer thread.
 
-Every batch row is scattered into its world's slot (no Python loop over worlds). When a
-world's slot is full the topic's rows are flushed to the store as *fragments*; at the
-episode's end its remaining rows are written and the episode, with all its segments, is
-queued for the next index commit. Nothing written here is visible before
-:meth:`storage.RunWriter.commit`.
+Every batch row is copied into its world's place (no Python loop over worlds). When a topic
+is full its rows are moved to the store as *fragments*; at an episode's end its remaining rows
+are moved and the episode, with all its segments, waits for the next index commit. Nothing
+written from here is visible before :meth:`storage.RunWriter.commit`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 
 import numpy as np
 
 from broker import FieldSpec
 
-from ._zarr_io import HOOKS
-from .zarr_store import RunWriter
+from ._format import HOOKS, numpy_dtype
+from .run_writer import RunWriter
+from .write_queue import RunWriteQueue
 
-__all__ = ["DenseTopicBuffer", "Segment", "Stager", "TopicBuffer", "iter_pieces"]
+__all__ = ["DenseTopicBuffer", "EpisodePacker", "Segment", "TopicBuffer", "iter_pieces"]
 
 Segment = tuple[int, int, int]
 """``(topic code, first row, row count)`` of one contiguous run of rows in one store."""
@@ -57,7 +58,7 @@ class TopicBuffer:
                  capacity: int) -> None:
         self.term = term
         self.specs = dict(specs)
-        self.dtypes = {name: np.dtype(spec.dtype) for name, spec in specs.items()}
+        self.dtypes = {name: numpy_dtype(spec.dtype) for name, spec in specs.items()}
         self.row_bytes = sum(d.itemsize * int(np.prod(s.shape, dtype=np.int64))
                              for d, s in zip(self.dtypes.values(), specs.values(), strict=True))
         self.row_bytes += 9  # _step and _hook
@@ -74,26 +75,20 @@ class TopicBuffer:
         self.views["_step"] = np.zeros(n, np.int64)
         self.views["_hook"] = np.zeros(n, np.uint8)
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes allocated for rows (pages are mapped lazily; this is the bound)."""
+        return sum(int(v.nbytes) for v in self.views.values())
+
     def reshape(self, capacity: int, num_worlds: int) -> None:
-        """Reallocate for a new capacity or world count; the buffer must be empty."""
-        assert not self.counts.any(), "reshape() of a non-empty TopicBuffer"
+        """Reallocate for a new capacity or world count; the buffer must be empty (move its rows
+        out first)."""
+        if self.counts.any():
+            raise RuntimeError(f"term {self.term!r}: reshape() of a buffer that holds rows")
         if num_worlds != self.num_worlds:
             self.num_worlds = num_worlds
             self.counts = np.zeros(num_worlds, np.int64)
         self._alloc(capacity)
-
-    def grow_worlds(self, num_worlds: int) -> None:
-        """Widen the worlds dimension (a run joined without its ``RunStart``), keeping rows."""
-        if num_worlds <= self.num_worlds:
-            return
-        old, w, c = self.views, self.num_worlds, self.capacity
-        old_counts = self.counts
-        self.num_worlds = num_worlds
-        self._alloc(c)
-        self.counts = np.zeros(num_worlds, np.int64)
-        self.counts[:w] = old_counts
-        for name, buf in old.items():
-            self.views[name][:w * c] = buf  # world-major: the old worlds are a prefix
 
     def full(self, worlds: np.ndarray) -> bool:
         return bool(len(worlds)) and int(self.counts[worlds].max()) >= self.capacity
@@ -139,23 +134,6 @@ class DenseTopicBuffer(TopicBuffer):
         self.present = np.ones((capacity, self.num_worlds), bool)
         self._all = np.arange(self.num_worlds)
 
-    def grow_worlds(self, num_worlds: int) -> None:
-        if num_worlds <= self.num_worlds:
-            return
-        w, c = self.num_worlds, self.capacity
-        old = {name: v.reshape(c, w, *v.shape[1:]) for name, v in self.views.items()}
-        counts, first, present, t = self.counts, self.first, self.present, self.t
-        self.num_worlds = num_worlds
-        self._alloc(c)
-        self.t = t
-        self.counts = np.zeros(num_worlds, np.int64)
-        self.counts[:w] = counts
-        self.first[:w] = first
-        self.present[:, :w] = present
-        self.present[:, w:] = False
-        for name, v in self.views.items():
-            v.reshape(c, num_worlds, *v.shape[1:])[:, :w] = old[name]
-
     def full(self, worlds: np.ndarray) -> bool:
         busy = self.counts > 0
         return bool(busy.any()) and self.t - int(self.first[busy].min()) >= self.capacity
@@ -194,33 +172,40 @@ class DenseTopicBuffer(TopicBuffer):
         return rows
 
 
-class Stager:
-    """Collects episode rows of one term for one store and appends them in large pieces.
+class EpisodePacker:
+    """Packs finished rows of one term, for one store, into large pieces for the writer thread.
 
-    Each staged run of rows comes with the segment list of its episode; when the piece is
+    Each packed run of rows comes with the segment list of its episode; when the piece is
     written the ``(topic code, offset, rows)`` segment is appended to that list, so segment
-    order follows staging order (fragments before tails). Nothing here is committed.
+    order follows packing order (fragments before tails). Nothing here is committed.
 
-    With an ``executor`` (one thread), pieces are written in the background while the next
-    one is staged (double buffering); :meth:`wait` must return before the segments are read.
+    Pieces are written by the run's :class:`storage.write_queue.RunWriteQueue` while the next
+    one is packed (double buffering); if a write fails the queue stops, the segments of that
+    piece are never filled in, and nothing referencing them is ever committed.
     """
 
     def __init__(self, writer: RunWriter, buf: TopicBuffer, piece_bytes: int,
-                 executor: ThreadPoolExecutor | None = None) -> None:
+                 queue: RunWriteQueue) -> None:
         self.writer, self.term = writer, buf.term
         self.rows = max(1, piece_bytes // buf.row_bytes)
         self._shapes = {name: ((self.rows, *b.shape[1:]), b.dtype) for name, b in buf.views.items()}
         self.arrays = self._alloc()
         self._spare: dict[str, np.ndarray] | None = None
-        self._executor = executor
+        self._queue = queue
         self._pending: Future[None] | None = None
         self.n = 0
         self.entries: list[tuple[list[Segment], int]] = []
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the piece buffers (two while a piece is being written)."""
+        one = sum(int(np.prod(shape)) * np.dtype(dtype).itemsize for shape, dtype in self._shapes.values())
+        return one * (2 if self._spare is not None else 1)
+
     def _alloc(self) -> dict[str, np.ndarray]:
         return {name: np.zeros(shape, dtype) for name, (shape, dtype) in self._shapes.items()}
 
-    def stage(self, buf: TopicBuffer, worlds: np.ndarray, segs: list[list[Segment]]) -> None:
+    def pack(self, buf: TopicBuffer, worlds: np.ndarray, segs: list[list[Segment]]) -> None:
         """Move the rows of ``worlds`` (``segs``: each world's segment list) out of ``buf``."""
         counts = buf.counts[worlds]
         keep = counts > 0
@@ -233,10 +218,11 @@ class Stager:
             idx = buf.rows_of(worlds[piece])
             # numpy gathers on this thread alone: torch's index_select would fan out to OpenMP
             # workers that contend with zarr's codec threads and the receiver for the cores.
-            if total > self.rows:  # one world longer than a piece: write it directly
+            if total > self.rows:  # one world longer than a piece: a piece of its own
                 self.wait()
-                self._write({n: np.take(b, idx, axis=0) for n, b in buf.views.items()},
-                            list(zip(segs[piece], counts[piece].tolist(), strict=True)))
+                arrays = {n: np.take(b, idx, axis=0) for n, b in buf.views.items()}
+                self._queue.submit(self._write, arrays,
+                                   list(zip(segs[piece], counts[piece].tolist(), strict=True))).result()
             else:
                 for name, b in buf.views.items():
                     np.take(b, idx, axis=0, out=self.arrays[name][self.n:self.n + total], mode="clip")
@@ -245,25 +231,22 @@ class Stager:
             buf.discard(worlds[piece])
 
     def flush(self) -> None:
-        """Append what is staged to the store (data only) and fill in the segments; in the
-        background with an executor (call :meth:`wait` before reading the segments)."""
+        """Queue what is packed for writing (data only); the segments are filled in when the
+        write has run (:meth:`wait`)."""
         if not self.n:
             return
         arrays = {name: a[:self.n] for name, a in self.arrays.items()}
-        if self._executor is None:
-            self._write(arrays, self.entries)
-        else:
-            previous = self._pending
-            self._pending = self._executor.submit(self._write, arrays, self.entries)
-            if previous is not None:
-                previous.result()  # the spare buffers were being written: reuse them now
-            spare = self._spare if self._spare is not None else self._alloc()
-            self._spare, self.arrays = self.arrays, spare
+        previous = self._pending
+        self._pending = self._queue.submit(self._write, arrays, self.entries)
+        if previous is not None:
+            previous.result()  # the spare buffers were being written: reuse them now
+        spare = self._spare if self._spare is not None else self._alloc()
+        self._spare, self.arrays = self.arrays, spare
         self.n = 0
         self.entries = []
 
     def wait(self) -> None:
-        """Wait for the background write (re-raising its error)."""
+        """Wait for the piece being written (run or skipped after a failure)."""
         if self._pending is not None:
             pending, self._pending = self._pending, None
             pending.result()

@@ -1,0 +1,354 @@
+"""The run-store format: layout constants, node names, codecs, JSON-safe attributes, and opening
+stores. Shared by the writer and the reader; nothing here knows about episodes.
+
+Everything zarr or fsspec raise while opening is translated into :class:`storage.StoreFormatError`
+at this boundary.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import hashlib
+import math
+import os
+import re
+import uuid
+from collections.abc import Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Final, Literal, TypeAlias
+
+import numpy as np
+import zarr
+import zarr.codecs
+from zarr.abc.store import Store
+from zarr.core.buffer import Buffer
+from zarr.storage import LocalStore
+
+from .errors import StoreFormatError
+
+if TYPE_CHECKING:  # zarr's public config argument is typed with this TypedDict
+    from zarr.core.array_spec import ArrayConfigParams
+
+__all__ = [
+    "APPEND_CONFIG",
+    "CHUNK_KEYS",
+    "EPISODE_COLUMNS",
+    "FORMAT",
+    "FORMAT_VERSION",
+    "GAP_COLUMNS",
+    "HOOKS",
+    "SEGMENT_COLUMNS",
+    "TABLE_CHUNK",
+    "VAR_COLUMNS",
+    "Compression",
+    "StoreLocation",
+    "codecs",
+    "from_json",
+    "local_path",
+    "name_of",
+    "node_name",
+    "numpy_dtype",
+    "open_store",
+    "remove_partial_files",
+    "child_nodes",
+    "resize_tail",
+    "to_json",
+    "zero_rows",
+]
+
+FORMAT: Final = "worldtap.runstore"
+FORMAT_VERSION: Final = 2
+"""Version 2: node names escaped reversibly (:func:`node_name`), every chunk checksummed
+(crc32c), every chunk written (tables too), bfloat16 fields stored as their bits."""
+HOOKS: Final = ("pre_step", "post_step", "pre_reset", "post_reset")
+"""Lifecycle points, in the order of their codes in ``data/<term>/_hook``."""
+
+EPISODE_COLUMNS: Final[Mapping[str, str]] = {
+    "world": "int64", "index": "int64", "length": "int64", "success": "bool",
+    "terminated": "bool", "truncated": "bool", "end_step": "int64", "end_seq": "int64",
+    "segment_start": "int64", "segment_count": "int64",
+}
+SEGMENT_COLUMNS: Final[Mapping[str, str]] = {"episode": "int64", "topic": "int64", "offset": "int64",
+                                             "rows": "int64"}
+GAP_COLUMNS: Final[Mapping[str, str]] = {"expected": "int64", "received": "int64", "source": "int64",
+                                         "topic": "int64"}
+VAR_COLUMNS: Final = ("world", "episode", "step", "seq")
+TABLE_CHUNK: Final = 16384
+"""Columns of the episode, segment, gap and variation-sample tables, and their chunk length."""
+
+APPEND_CONFIG: Final[ArrayConfigParams] = {"write_empty_chunks": True}
+"""Config of every array the writer appends to. Every chunk inside the committed rows exists
+in the store (a chunk of zeros too), so a missing chunk is damage the reader can detect
+instead of reading zeros; and checking each chunk against the fill value would cost a
+chunk-sized compare. Reclaiming crash debris (:func:`zero_rows`) deletes chunks on purpose."""
+
+CHUNK_KEYS: Final[dict[str, str]] = {"name": "default", "separator": "."}
+"""Chunk key encoding of the data arrays: ``c.<row chunk>.0`` files beside ``zarr.json``.
+With ``/`` every row chunk of a multi-dimensional field would be a directory of its own,
+and creating a directory per chunk costs as much as writing a small chunk."""
+
+Compression: TypeAlias = Literal["lz4", "zstd", "none"]
+StoreLocation: TypeAlias = "str | os.PathLike[str] | Store"
+
+_MAX_NODE: Final = 120
+"""Longest node name written as is (escaped); longer ones are cut and hashed (names of 255
+bytes are the common file-name limit, and an escaped byte takes three)."""
+_PLAIN: Final = re.compile(rb"[A-Za-z0-9\-]")
+
+
+# -- node names --------------------------------------------------------------------------------
+
+
+def node_name(name: str) -> str:
+    """The zarr node name of a run id, term, field or variation key: the same name always gives
+    the same node, different names never collide, and no name can climb out of its group or
+    land on a reserved name (``zarr.json``, ``..``, ``__``-prefixed, ``*.partial``, ``_step``).
+
+    Bytes other than ASCII letters, digits and ``-`` (and ``_`` after the first character)
+    are written as ``%XX``; :func:`name_of` reverses that. Escaped names longer than 120
+    characters are cut and end in ``~`` and a hash of the whole name (not reversible: the
+    run's attributes hold the names).
+
+    Raises:
+        ValueError: ``name`` is empty.
+    """
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"expected a non-empty name, got {name!r}")
+    raw = name.encode("utf-8", "surrogatepass")
+    out = []
+    for i, byte in enumerate(raw):
+        char = bytes((byte,))
+        plain = _PLAIN.fullmatch(char) is not None or (byte == ord("_") and i > 0)
+        out.append(char.decode() if plain else f"%{byte:02X}")
+    encoded = "".join(out)
+    if len(encoded) > _MAX_NODE:
+        digest = hashlib.sha256(raw).hexdigest()[:20]
+        cut = encoded[:_MAX_NODE - 21]
+        cut = cut[:cut.rfind("%")] if "%" in cut[-2:] else cut  # never split an escape
+        encoded = f"{cut}~{digest}"
+    return encoded
+
+
+def name_of(node: str) -> str | None:
+    """The name :func:`node_name` turned into ``node``, or ``None`` for a hashed long name or a
+    node it cannot have written."""
+    if "~" in node:
+        return None
+    try:
+        name = _unescape(node)
+    except (ValueError, UnicodeDecodeError):
+        return None
+    return name if node_name(name) == node else None
+
+
+def _unescape(node: str) -> str:
+    out = bytearray()
+    i = 0
+    while i < len(node):
+        if node[i] == "%":
+            out.append(int(node[i + 1:i + 3], 16))
+            i += 3
+        else:
+            out.extend(node[i].encode())
+            i += 1
+    return out.decode("utf-8", "surrogatepass")
+
+
+# -- JSON attributes -------------------------------------------------------------------------
+
+
+def to_json(value: Any) -> Any:
+    """``value`` made storable in zarr's JSON attributes without loss: ``bytes`` become
+    ``{"$bytes": base64}``, non-finite floats ``{"$float": "nan"}`` (JSON has none), bytes keys
+    ``"$bytes:" + base64``; :func:`from_json` reverses it."""
+    if isinstance(value, dict):
+        return {(k if isinstance(k, str) else "$bytes:" + base64.b64encode(bytes(k)).decode()
+                 if isinstance(k, bytes | bytearray) else str(k)): to_json(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [to_json(v) for v in value]
+    if isinstance(value, bytes | bytearray | memoryview):
+        return {"$bytes": base64.b64encode(bytes(value)).decode()}
+    if isinstance(value, float) and not math.isfinite(value):
+        return {"$float": repr(value)}
+    if isinstance(value, np.generic):
+        return to_json(value.item())
+    return value
+
+
+def from_json(value: Any) -> Any:
+    """Inverse of :func:`to_json`."""
+    if isinstance(value, dict):
+        if len(value) == 1 and "$bytes" in value and isinstance(value["$bytes"], str):
+            return base64.b64decode(value["$bytes"])
+        if len(value) == 1 and "$float" in value and isinstance(value["$float"], str):
+            return float(value["$float"])
+        return {(base64.b64decode(k[7:]) if k.startswith("$bytes:") else k): from_json(v)
+                for k, v in value.items()}
+    if isinstance(value, list):
+        return [from_json(v) for v in value]
+    return value
+
+
+# -- dtypes and codecs -----------------------------------------------------------------------
+
+
+def numpy_dtype(name: str) -> np.dtype[Any]:
+    """The numpy dtype an array of wire dtype ``name`` is stored as (bfloat16: its 16 bits)."""
+    return np.dtype("uint16" if name == "bfloat16" else name)
+
+
+def codecs(name: Compression) -> tuple[Any, ...]:
+    """The zarr v3 bytes-to-bytes codecs for a compression name, ending with a crc32c checksum
+    of the stored bytes (a torn or altered chunk fails to decode instead of reading wrong)."""
+    crc = zarr.codecs.Crc32cCodec()
+    if name == "lz4":
+        return (zarr.codecs.BloscCodec(cname="lz4", clevel=1, shuffle="shuffle"), crc)
+    if name == "zstd":
+        return (zarr.codecs.ZstdCodec(level=3), crc)
+    if name == "none":
+        return (crc,)
+    raise ValueError(f"compression: expected one of 'lz4', 'zstd', 'none', got {name!r}")
+
+
+# -- stores ----------------------------------------------------------------------------------
+
+
+class SyncedLocalStore(LocalStore):
+    """A :class:`zarr.storage.LocalStore` whose every write reaches the disk before it returns:
+    the bytes go to a temporary file that is ``fsync``-ed, renamed over the key, and the
+    directory is ``fsync``-ed. A power cut leaves either the old file or the complete new one
+    (the previous commit point stays readable until the new one is whole on disk)."""
+
+    async def set(self, key: str, value: Buffer) -> None:
+        self._check_writable()
+        await asyncio.to_thread(_durable_write, self.root / key, value, False)
+
+    async def set_if_not_exists(self, key: str, value: Buffer) -> None:  # new groups' metadata
+        self._check_writable()
+        await asyncio.to_thread(_durable_write, self.root / key, value, True)
+
+    def set_sync(self, key: str, value: Buffer) -> None:
+        self._check_writable()
+        _durable_write(self.root / key, value, False)
+
+
+def _durable_write(path: Path, value: Buffer, exclusive: bool) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f"{path.name}.{uuid.uuid4().hex}.partial")
+    try:
+        with tmp.open("wb") as f:
+            f.write(value.as_buffer_like())
+            f.flush()
+            os.fsync(f.fileno())
+        if exclusive:
+            if path.exists():
+                return
+            os.link(tmp, path)
+        else:
+            os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def local_path(location: StoreLocation) -> Path | None:
+    """The directory of a local store location (``file://`` URLs included), else ``None``."""
+    if isinstance(location, LocalStore):
+        return Path(location.root)
+    if isinstance(location, Store):
+        return None
+    text = os.fspath(location)
+    if text.startswith("file://"):
+        return Path(text.removeprefix("file://"))
+    if "://" in text:
+        return None
+    return Path(text)
+
+
+def open_store(location: StoreLocation, *, fsync: bool = False, read_only: bool = False) -> Store:
+    """A zarr store for a local directory, an fsspec URL (``s3://...``, ``memory://``) or a
+    ready-made :class:`zarr.abc.store.Store`.
+
+    Args:
+        fsync: Make every write of a local store durable before it returns. Ignored (no
+            stronger guarantee exists) for stores that are not local directories.
+
+    Raises:
+        StoreFormatError: The location cannot be opened (missing directory when reading, a URL
+            whose filesystem is not installed, ...).
+    """
+    if isinstance(location, Store):
+        return location
+    path = local_path(location)
+    if path is not None:
+        if read_only and not path.is_dir():
+            raise StoreFormatError(f"no run store at {str(path)!r}: the directory does not exist")
+        cls = SyncedLocalStore if fsync and not read_only else LocalStore
+        return cls(path, read_only=read_only)
+    try:
+        return zarr.storage.FsspecStore.from_url(os.fspath(location), read_only=read_only)
+    except Exception as exc:  # fsspec raises many kinds; one of ours at the boundary
+        raise StoreFormatError(f"cannot open store URL {os.fspath(location)!r}: {exc}") from exc
+
+
+def child_nodes(group: zarr.Group) -> list[str]:
+    """Names of the nodes directly under ``group``, listed from the store without opening any
+    of them (one unreadable member must not hide the others)."""
+    from zarr.core.sync import sync
+
+    store = group.store_path.store
+    prefix = group.store_path.path
+
+    async def listing() -> list[str]:
+        return [name async for name in store.list_dir(prefix)]
+
+    return sorted(name for name in sync(listing()) if name != "zarr.json" and
+                  not name.endswith(".partial"))
+
+
+_PARTIAL: Final = re.compile(r".+\.[0-9a-f]{32}\.partial")
+"""Temporary files of zarr's atomic writes (``<name>.<uuid hex>.partial``) and of ours."""
+
+
+def remove_partial_files(root: Path) -> int:
+    """Delete the temporary files of writes a crash interrupted, inside the run store
+    directory ``root`` only (call it once the directory is known to be a run store, under the
+    store lock). Returns how many were removed."""
+    removed = 0
+    for debris in root.rglob("*.partial"):
+        if _PARTIAL.fullmatch(debris.name) and debris.is_file():
+            debris.unlink(missing_ok=True)
+            removed += 1
+    return removed
+
+
+def zero_rows(array: zarr.Array[Any], start: int, stop: int, *, piece_rows: int = 1 << 16) -> None:
+    """Overwrite rows ``[start, stop)`` with the fill value; chunks left entirely empty are
+    deleted by zarr (``write_empty_chunks=False``), which is how crash debris is reclaimed."""
+    stop = min(stop, array.shape[0])
+    array = array.with_config({"write_empty_chunks": False})
+    fill = np.zeros((min(piece_rows, max(stop - start, 0)), *array.shape[1:]), dtype=array.dtype)
+    while start < stop:
+        end = min(stop, start + piece_rows)
+        array[start:end] = fill[: end - start]
+        start = end
+
+
+def resize_tail(arrays: Mapping[str, zarr.Array[Any]], n: int) -> None:
+    """Cut arrays back to ``n`` committed rows (debris of an interrupted commit, or unused
+    capacity): zarr deletes the chunks past the new end, and the rows past ``n`` in the
+    chunk that holds it are zeroed first, so no uncommitted byte survives the cut."""
+    for arr in arrays.values():
+        if arr.shape[0] > n:
+            rows = int(arr.chunks[0])
+            if n % rows:
+                tail = -(-n // rows) * rows
+                block = np.asarray(arr[n - n % rows:min(tail, arr.shape[0])])
+                block[n % rows:] = 0
+                arr.with_config(APPEND_CONFIG)[n - n % rows:n - n % rows + len(block)] = block
+            arr.resize((n, *arr.shape[1:]))
