@@ -9,13 +9,13 @@ a CURVE *client* with its own key pair and the server's public key. Key files ar
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit
 
 import zmq
 import zmq.auth
@@ -191,14 +191,27 @@ def load_public_keys(directory: str | os.PathLike[str]) -> frozenset[bytes]:
 
 
 def is_loopback(endpoint: str) -> bool:
-    """Whether ``endpoint`` stays on this host (``ipc://``, ``inproc://``, tcp on loopback)."""
+    """Whether ``endpoint`` stays on this host: ``ipc://``, ``inproc://``, or ``tcp://`` whose
+    host (the destination of ``tcp://source;destination``) is ``localhost`` or an IP address
+    that :mod:`ipaddress` calls loopback (``127.0.0.0/8``, ``::1``, IPv4-mapped ``127.*``).
+    Names are never matched by prefix: ``tcp://127.0.0.1.example.org:1`` leaves the host."""
     scheme, _, rest = endpoint.partition("://")
     if scheme in ("ipc", "inproc"):
         return True
-    host = (urlsplit(f"//{rest}").hostname or "") if scheme == "tcp" else ""
-    if ";" in rest:  # "tcp://source;dest": the destination decides
-        host = urlsplit(f"//{rest.rsplit(';', 1)[1]}").hostname or ""
-    return host in ("localhost", "::1") or host.startswith("127.")
+    if scheme != "tcp":
+        return False
+    host = rest.rsplit(";", 1)[-1].rpartition(":")[0]
+    if host.lower() == "localhost":
+        return True
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    try:
+        address = ipaddress.ip_address(host)
+    except ValueError:  # a name other than localhost, "*", an interface: not known to be local
+        return False
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        return address.ipv4_mapped.is_loopback
+    return address.is_loopback
 
 
 def attach(sock: zmq.Socket[Any], endpoints: Sequence[str], *, bind: bool, encrypted: bool,

@@ -259,22 +259,27 @@ class ZmqPublisher:
     def __call__(self, message: Message) -> None:
         """Stage ``message`` for sending (the broker consumer entry point).
 
+        Errors about earlier messages (lost on the socket, too large, a failed sender thread)
+        are raised once, from the next call, after that call's own message was staged: a
+        caller that carries on (a non-strict broker) loses nothing more than what the error
+        reports, and every message it lost is numbered, so subscribers see its gap.
+
         Raises:
             BrokerClosedError: The publisher was closed.
             SendTimeoutError: ``block`` policy: no staging slot freed up within ``send_timeout``
-                (this message is lost), or an earlier message timed out on the socket (raised
-                once; :meth:`close` raises again).
+                (this message is lost), or earlier messages timed out on the socket (this one
+                was staged; :meth:`close` raises again).
             TransportError: The sender thread failed.
-            WireFormatError: The message cannot be encoded, or (``block`` policy, reason
-                ``"too large"``) an earlier message exceeded the message size limit.
+            WireFormatError: The message cannot be encoded (this message is lost), or
+                (``block`` policy, reason ``"too large"``) an earlier message exceeded the
+                message size limit.
         """
-        if self._closed:
-            raise BrokerClosedError(f"{self.name}: publish on topic {message.topic!r} after close()")
-        self._raise_pending()
         topic = message.topic
-        if not topic.startswith("run/") and not topic.startswith(self.topics):
-            return
-        self._forward(message)
+        if self._closed:
+            raise BrokerClosedError(f"{self.name}: publish on topic {topic!r} after close()")
+        if topic.startswith("run/") or topic.startswith(self.topics):
+            self._forward(message)
+        self._raise_pending()
 
     def _forward(self, message: Message) -> None:
         topic, run = message.topic, message.run

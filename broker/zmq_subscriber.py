@@ -5,6 +5,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import logging
+import re
 import threading
 import time
 import uuid
@@ -33,6 +34,7 @@ _log = logging.getLogger("worldtap.broker.zmq")
 _SLICE: Final = 0.05  # seconds between checks for close() while a receive blocks
 _ENDED_RUNS: Final = 4096  # ended (publisher, run) streams remembered, to reject replays
 _RETRY_GRACE: Final = 0.5  # seconds ZeroMQ has to start reconnecting a dropped connection itself
+_ID: Final = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 _WATCHED: Final = (zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED | zmq.EVENT_CONNECT_DELAYED
                    | zmq.EVENT_CONNECTED)
 
@@ -107,9 +109,15 @@ class Subscriber:
     older than a gap already reported) is counted as a duplicate and skipped; the streams of
     the last few thousand ended runs are remembered for this.
 
-    Each ``RunEnd`` received is confirmed to its publisher, whose ``close()`` waits for the
-    confirmation; a publisher sends an unconfirmed ``RunEnd`` again, and the copies are skipped
-    (and confirmed again).
+    Run ends: each ``RunEnd`` received is confirmed to its publisher, whose ``close()`` waits
+    for the confirmation; a publisher sends an unconfirmed ``RunEnd`` again, and the copies are
+    skipped (and confirmed again). By default the confirmation goes out on receipt. A caller
+    that must finish something first (a store that commits the run's tail) passes
+    ``confirm_run_ends=False`` and calls :meth:`confirm_run_end` once the run is durable: until
+    then the publisher keeps the ``RunEnd`` and, if this subscriber dies, sends it again to the
+    subscriber that re-joins with the same ``id``, which receives it as a fresh ``RunEnd`` (with
+    gaps for the streams it did not see). A ``RunEnd`` of a topic set this subscriber did not
+    choose (``topics`` without ``run/``) is never returned and always confirmed on receipt.
 
     Size: a message larger than ``max_message_size`` (all its frames together) is received
     frame by frame, let go of frame by frame, counted (reason ``"too large"``) and its number
@@ -139,6 +147,14 @@ class Subscriber:
             ``recv`` (with a lossless publisher, a full queue slows the publisher down).
         heartbeat: Seconds of silence after which publishers drop this subscriber's connection
             (ZMTP heartbeat TTL; it pings every ``heartbeat / 5`` seconds, at most 1 s apart).
+        id: This subscriber's identity towards publishers (1 to 64 characters of
+            ``[A-Za-z0-9_.-]``), which keys its ``RunEnd`` confirmations; ``None``: a random one.
+            Give a stable id to a subscriber that is restarted (a storage daemon), so that
+            publishers send it the ``RunEnd`` its previous incarnation did not confirm. Two
+            live subscribers must never share an id.
+        confirm_run_ends: Confirm each ``RunEnd`` on receipt (default), or only when the caller
+            calls :meth:`confirm_run_end` (``False``: the publisher's ``close()`` waits, and a
+            re-joining subscriber with the same ``id`` gets the ``RunEnd`` again).
     """
 
     def __init__(
@@ -152,6 +168,8 @@ class Subscriber:
         max_header_size: int = DEFAULT_MAX_HEADER_SIZE,
         hwm: int = 16,
         heartbeat: float = 10.0,
+        id: str | None = None,
+        confirm_run_ends: bool = True,
     ) -> None:
         if isinstance(topics, str) or not all(isinstance(t, str) for t in topics):
             raise TypeError(f"topics: expected a sequence of str prefixes, got {topics!r}")
@@ -160,7 +178,10 @@ class Subscriber:
                 raise ValueError(f"{name}: expected a positive int, got {value!r}")
         if not 0.1 <= heartbeat <= 3600:
             raise ValueError(f"heartbeat: expected seconds in [0.1, 3600], got {heartbeat!r}")
-        self.id = uuid.uuid4().hex[:16]
+        if id is not None and (not isinstance(id, str) or _ID.fullmatch(id) is None):
+            raise ValueError(f"id: expected None or 1 to 64 characters of [A-Za-z0-9_.-], got {id!r}")
+        self.id = uuid.uuid4().hex[:16] if id is None else id
+        self.confirm_run_ends = bool(confirm_run_ends)
         self.topics = tuple(topics)
         self.max_message_size = max_message_size
         self.max_header_size = max_header_size
@@ -171,6 +192,8 @@ class Subscriber:
         self._next: dict[tuple[str, str], dict[str, int]] = {}
         self._ended: collections.OrderedDict[tuple[str, str], dict[str, int]] = collections.OrderedDict()
         self._publishers: set[str] = set()
+        # run -> publishers whose RunEnd of it was returned and awaits confirm_run_end().
+        self._unconfirmed: dict[str, set[str]] = {}
         self._reasons: dict[str, int] = {}
         self._received = self._bytes = self._gaps = self._missing = self._duplicates = self._reconnects = 0
         self._closed = False
@@ -321,7 +344,7 @@ class Subscriber:
             self._duplicates += 1
             _log.debug("Subscriber: skipped a duplicate: number %d on %r of run %r (expected %d)",
                        number, topic, run, expected)
-            if isinstance(message, RunEnd):
+            if isinstance(message, RunEnd) and pub not in self._unconfirmed.get(run, ()):
                 self._confirm(pub, run)  # the publisher missed the first confirmation
             return
         if key not in self._next:
@@ -339,7 +362,10 @@ class Subscriber:
             self._ended[key] = self._next.pop(key)
             while len(self._ended) > _ENDED_RUNS:
                 self._ended.popitem(last=False)
-            self._confirm(pub, run)
+            if self.confirm_run_ends or not wanted:
+                self._confirm(pub, run)
+            else:
+                self._unconfirmed.setdefault(run, set()).add(pub)
         if wanted:
             self._received += 1
             self._pending.append(message)
@@ -348,6 +374,23 @@ class Subscriber:
         count = self._reasons.get(exc.reason, 0)
         self._reasons[exc.reason] = count + 1
         (_log.warning if count == 0 else _log.debug)("Subscriber: skipped a bad message: %s", exc)
+
+    def confirm_run_end(self, run: str) -> None:
+        """Confirm the ``RunEnd`` of ``run`` to every publisher it came from (with
+        ``confirm_run_ends=False``; call it once what the run needs is done, e.g. committed).
+        A run whose ``RunEnd`` was not returned, or was confirmed already, is ignored. Call it
+        from the thread that calls :meth:`recv`.
+
+        Raises:
+            BrokerClosedError: The subscriber was closed.
+            TransportError: The socket failed.
+        """
+        with self._lock:
+            if self._closed:
+                raise BrokerClosedError(f"Subscriber.confirm_run_end({run!r}) after close()")
+            with translate_zmq_errors(f"confirm on {', '.join(self.endpoints)}"):
+                for pub in sorted(self._unconfirmed.pop(run, ())):
+                    self._confirm(pub, run)
 
     def _confirm(self, pub: str, run: str) -> None:
         """Tell publisher ``pub`` that its RunEnd of ``run`` arrived (it may disconnect)."""

@@ -18,8 +18,10 @@ from broker import (
     Message,
     RunEnd,
     RunStart,
+    TopicSchema,
     batch_topic,
 )
+from broker import SchemaError as BrokerSchemaError
 from broker.messages import Hook
 
 from .errors import RecorderClosedError, SchemaError, TermError
@@ -27,8 +29,6 @@ from .selectors import WorldSelector, normalize_worlds
 from .terms import HOOKS, flatten_fields
 
 __all__ = ["Recorder"]
-
-_Schema = dict[str, tuple[torch.dtype, tuple[int, ...]]]
 
 
 class Recorder:
@@ -43,8 +43,11 @@ class Recorder:
     publishes an :class:`broker.EpisodeEnd` for those worlds and advances their index; batches
     and variation samples recorded afterwards for those worlds belong to the new episode.
 
-    Schema: each topic's schema (field names, dtypes, per-world shapes) is fixed by its first
-    batch; a later batch that differs raises :class:`SchemaError`.
+    Schema: each topic's :class:`broker.TopicSchema` (field names, dtypes, per-world shapes) is
+    fixed by its first batch; every later batch is checked against it by field name, never by
+    the order of the term's mapping, and one that differs raises :class:`SchemaError` (also a
+    :class:`broker.SchemaError`, the type retention and the storage daemon raise) naming the
+    field. Nothing of the refused batch is published.
 
     Call ``close()`` at the end of a run: it publishes :class:`broker.RunEnd`, which tells the
     storage daemon the run is complete.
@@ -77,7 +80,7 @@ class Recorder:
         self.metadata: Mapping[str, Any] = MappingProxyType(dict(metadata or {}))
         self._terms: dict[str, object] = {}
         self._hooks: dict[str, list[tuple[str, Any]]] = {hook: [] for hook in HOOKS}
-        self._schemas: dict[str, _Schema] = {}
+        self._schemas: dict[str, TopicSchema] = {}
         self._all = torch.arange(num_worlds, device=self.device, dtype=torch.int64)
         self._episode = torch.zeros(num_worlds, device=self.device, dtype=torch.int64)
         self._length = torch.zeros(num_worlds, device=self.device, dtype=torch.int64)
@@ -141,11 +144,9 @@ class Recorder:
         return normalize_worlds(worlds, self.num_worlds, self.device, name=name, all_worlds=self._all)
 
     def schema(self) -> dict[str, dict[str, FieldSpec]]:
-        """Topic -> field -> spec, for every topic that has published a batch."""
-        return {
-            topic: {f: FieldSpec(str(d).removeprefix("torch."), s) for f, (d, s) in fields.items()}
-            for topic, fields in self._schemas.items()
-        }
+        """Topic -> field -> spec, for every topic that has published a batch (fields in each
+        :class:`broker.TopicSchema`'s canonical order, sorted by name). A fresh copy."""
+        return {topic: dict(schema.fields) for topic, schema in self._schemas.items()}
 
     def next_seq(self) -> int:
         """Reserve the next publisher sequence number (for components publishing for this run)."""
@@ -192,7 +193,9 @@ class Recorder:
 
         Runs the ``pre_reset`` hooks (their batches belong to the ending episode), publishes
         ``EpisodeEnd`` with the flags, then advances those worlds' episode index. Flags are a
-        bool, or a bool tensor of length ``len(worlds)`` or ``num_worlds``; ``None`` is False.
+        bool, or a bool tensor of length ``len(worlds)`` (one flag per selected world, in the
+        selector's order) or ``num_worlds`` (indexed by world); ``None`` is False. When every
+        world is selected the two lengths agree and the flags are read in the selector's order.
 
         Returns:
             The normalized world index tensor (empty selections record nothing).
@@ -292,25 +295,18 @@ class Recorder:
                                       episodes, fields, hook))
 
     def _check(self, topic: str, fields: dict[str, torch.Tensor], n: int) -> None:
-        schema = self._schemas.get(topic)
-        if schema is None:
-            for f, t in fields.items():
-                self._check_leading(topic, f, t, n)
-            self._schemas[topic] = {f: (t.dtype, tuple(t.shape[1:])) for f, t in fields.items()}
-            return
-        if len(schema) != len(fields) or schema.keys() != fields.keys():
-            raise SchemaError(
-                f"topic {topic!r}: expected fields {sorted(schema)}, got {sorted(fields)}"
-            )
+        """Check a term's batch: leading worlds dimension and device (:class:`TermError`), then
+        the topic's schema by name (fixed by the first batch; :class:`SchemaError`)."""
         for f, t in fields.items():
-            dtype, shape = schema[f]
-            if t.dtype != dtype or t.shape[1:] != shape:
-                raise SchemaError(
-                    f"topic {topic!r} field {f!r}: expected {str(dtype).removeprefix('torch.')} "
-                    f"per-world shape {shape}, got {str(t.dtype).removeprefix('torch.')} "
-                    f"per-world shape {tuple(t.shape[1:])}"
-                )
             self._check_leading(topic, f, t, n)
+        try:
+            schema = self._schemas.get(topic)
+            if schema is None:
+                self._schemas[topic] = TopicSchema.of(fields, topic=topic)
+            else:
+                schema.check(fields, topic=topic)
+        except BrokerSchemaError as exc:
+            raise SchemaError(str(exc)) from exc
 
     def _check_leading(self, topic: str, f: str, t: torch.Tensor, n: int) -> None:
         if t.dim() == 0 or t.shape[0] != n:

@@ -3,10 +3,14 @@
 Accepted forms: ``None`` (all worlds), an int, a sequence (list or tuple) of ints, ``range``,
 ``slice``, a 1-D integer tensor or numpy array, a 1-D boolean mask of length ``num_worlds``.
 Everything becomes a 1-D int64 index tensor on the recorder's device, in the order given.
+Anything else (an index out of ``[0, num_worlds)``, a duplicate, a non-integer dtype, a mask
+of another length, a slice with a zero step or non-int bounds) raises :class:`SelectorError`
+(a ``ValueError``) naming the argument, what was expected and what was received.
 """
 
 from __future__ import annotations
 
+import itertools
 import numbers
 from collections import Counter
 from collections.abc import Sequence
@@ -39,6 +43,16 @@ def _check_indices(index: list[int], num_worlds: int, name: str) -> None:
     if len(set(index)) != len(index):
         dups = sorted(i for i, count in Counter(index).items() if count > 1)
         raise SelectorError(f"{name}: expected distinct world indices, got duplicates {_describe(dups)}")
+
+
+def _check_range(rng: range, num_worlds: int, name: str) -> None:
+    """Check a range's bounds without materializing it (``range(10**12)`` is one argument)."""
+    if not rng or (min(rng[0], rng[-1]) >= 0 and max(rng[0], rng[-1]) < num_worlds):
+        return
+    # A range is monotonic: its out-of-range values are a prefix and/or a suffix, so the first
+    # few of them are found within num_worlds + 9 steps.
+    bad = list(itertools.islice((i for i in rng if i < 0 or i >= num_worlds), 9))
+    raise SelectorError(f"{name}: expected world indices in [0, {num_worlds}), got {_describe(bad)} out of range")
 
 
 def normalize_worlds(
@@ -76,13 +90,21 @@ def normalize_worlds(
         value = int(selector)
         _check_indices([value], num_worlds, name)
         return torch.tensor([value], device=device, dtype=torch.int64)
-    if isinstance(selector, range | slice):
-        rng = selector if isinstance(selector, range) else range(*selector.indices(num_worlds))
-        index = list(rng)
-        _check_indices(index, num_worlds, name)
-        return torch.tensor(index, device=device, dtype=torch.int64)
+    if isinstance(selector, slice):
+        try:
+            selector = range(*selector.indices(num_worlds))
+        except (TypeError, ValueError):
+            raise SelectorError(
+                f"{name}: expected a slice of int bounds and a non-zero int step, got {selector!r}"
+            ) from None
+    if isinstance(selector, range):
+        _check_range(selector, num_worlds, name)
+        return torch.tensor(selector, device=device, dtype=torch.int64)
     if isinstance(selector, np.ndarray):
-        selector = torch.from_numpy(np.ascontiguousarray(selector))
+        if selector.dtype.kind not in "biu":
+            raise SelectorError(f"{name}: expected an integer or bool array, got dtype {selector.dtype}")
+        # Native byte order (torch refuses the other one), contiguous (torch needs strides >= 0).
+        selector = torch.from_numpy(np.ascontiguousarray(selector, dtype=selector.dtype.newbyteorder("=")))
     if isinstance(selector, torch.Tensor):
         return _normalize_tensor(selector, num_worlds, device, name)
     if isinstance(selector, Sequence) and not isinstance(selector, str | bytes):

@@ -61,7 +61,7 @@ def flatten_fields(tree: Any, term: str, prefix: str = "") -> dict[str, torch.Te
 
     Raises:
         TermError: ``tree`` is not a mapping, a key is not a non-empty str without "/" at
-            the ends, or a leaf is not a tensor.
+            the ends, a leaf is not a tensor, or two leaves flatten to the same name.
     """
     if not isinstance(tree, Mapping):
         raise TermError(f"term {term!r}: expected a mapping of field name to tensor, got {type(tree).__name__}")
@@ -71,9 +71,18 @@ def flatten_fields(tree: Any, term: str, prefix: str = "") -> dict[str, torch.Te
             raise TermError(f"term {term!r}: field names must be non-empty strings, got {key!r}")
         name = f"{prefix}{key}"
         if isinstance(value, torch.Tensor):
-            out[name] = value
+            _put(out, term, name, value)
         elif isinstance(value, Mapping):
-            out.update(flatten_fields(value, term, f"{name}/"))
+            for leaf, tensor in flatten_fields(value, term, f"{name}/").items():
+                _put(out, term, leaf, tensor)
         else:
             raise TermError(f"term {term!r}: field {name!r}: expected a tensor, got {type(value).__name__}")
     return out
+
+
+def _put(out: dict[str, torch.Tensor], term: str, name: str, tensor: torch.Tensor) -> None:
+    if name in out:
+        # {"a/b": x, "a": {"b": y}}: one of the two would silently replace the other.
+        raise TermError(f"term {term!r}: field {name!r}: named twice (a key with \"/\" and a nested "
+                        "mapping flatten to the same name)")
+    out[name] = tensor

@@ -10,13 +10,14 @@ from .assembly import ExportMode, RejectedMessage
 from .daemon import DaemonStatistics, StoreDaemon, failed_store_location
 from .errors import (
     EpisodeNotFoundError,
+    LeaseExpiredError,
     RunNotFoundError,
     StorageError,
     StoreDamagedError,
     StoreFormatError,
     StoreLockedError,
 )
-from .lock import StoreLease, StoreLock
+from .lock import FencedStore, StoreLease, StoreLock
 from .reader import RunStore, Table
 from .run_writer import EpisodeRows, RunStoreWriter, RunWriter
 
@@ -25,6 +26,8 @@ __all__ = [
     "EpisodeNotFoundError",
     "EpisodeRows",
     "ExportMode",
+    "FencedStore",
+    "LeaseExpiredError",
     "RejectedMessage",
     "RunNotFoundError",
     "RunStore",

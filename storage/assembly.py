@@ -8,13 +8,28 @@ commit that indexes them) goes to the run's :class:`storage.write_queue.RunWrite
 episode counts as stored only once its commit has run.
 
 Every message is validated against the run before anything is allocated for it: world
-indices against the run's world count, fields by name against the term's schema, variation
-values against the variation's spec. A message that fails is a :class:`RejectedMessage`; the
-episodes it touched become incomplete.
+indices against the run's world count, fields by name against the term's schema (``_step``
+and ``_hook`` are reserved), one world's row against the run's memory share, variation values
+against the variation's spec, labels and flags by type. A message that fails is a
+:class:`RejectedMessage`; the episodes it touched become incomplete.
+
+Sequence numbers: a run's messages are numbered consecutively, so a repeat or a step back is a
+replay (rejected, never stored twice) and a step forward by more than one is a loss, even when
+the transport reports it only later: every episode in progress becomes incomplete at once, and
+the range is recorded as a gap (source :data:`GAP_SEQUENCE`). A run joined without its
+``RunStart`` from a message past seq 1 records what it missed as a gap of source
+:data:`GAP_JOINED_LATE`. Such a run writes nothing to the store until it has an episode or a
+variation sample to commit (or its ``RunStart`` or ``RunEnd`` arrives): stray one-message runs
+leave no files, and their gaps wait with them in memory.
+
+Memory: :meth:`RunAssembly.memory` counts every array the run holds (rows, per-world
+bookkeeping, write pieces, variation samples waiting for their commit); the budget bounds it,
+and a world count that cannot fit is rejected before anything is allocated for it.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from collections import defaultdict
 from collections.abc import Mapping
@@ -30,13 +45,24 @@ from .errors import StorageError, StoreFormatError
 from .run_writer import RunWriter
 from .write_queue import RunWriteQueue
 
-__all__ = ["MAX_WORLDS", "ExportMode", "RejectedMessage", "RunAssembly"]
+__all__ = ["GAP_JOINED_LATE", "GAP_SEQUENCE", "MAX_WORLDS", "ExportMode", "RejectedMessage", "RunAssembly"]
 
 ExportMode: TypeAlias = Literal["all", "succeeded", "split", "none"]
 
 MAX_WORLDS = 1 << 24
-_MIN_PIECE = 512  # bytes: smallest write piece (a piece holds at least one row whatever its size)
 """Most worlds a run may have (world indices are checked against the run's count first)."""
+_MIN_PIECE = 512  # bytes: smallest write piece (a piece holds at least one row whatever its size)
+_WORLD_BYTES = 9  # per world: its episode index (int64) and whether it is seen whole (bool)
+_TOPIC_WORLD_BYTES = 24  # per world and topic: row count, first slot, world index (int64 each)
+_HOOK_NAMES = ("pre_step", "post_step", "pre_reset", "post_reset")
+_RESERVED_FIELDS = ("_step", "_hook")
+GAP_JOINED_LATE = 2
+"""Gap ``source`` of a run joined late: run sequence numbers ``[0, received)`` were published
+before this daemon saw the run (its first message was neither its ``RunStart`` nor seq 1)."""
+GAP_SEQUENCE = 3
+"""Gap ``source`` of a hole in a run's sequence numbers: messages ``[expected, received)`` never
+arrived (a run's messages are numbered consecutively; the transport may report the same loss
+later, per topic, as a source 0 gap)."""
 
 
 class RejectedMessage(StorageError, ValueError):
@@ -65,23 +91,43 @@ def as_numpy(t: Any, what: str) -> np.ndarray:
         return t
     if not isinstance(t, torch.Tensor):
         raise RejectedMessage("type", f"{what}: expected a tensor, got {type(t).__name__}")
-    if t.device.type != "cpu":
-        t = t.cpu()
-    if t.requires_grad:  # (each torch call gives up the GIL: only when needed)
-        t = t.detach()
-    if t.dtype == torch.bfloat16:
-        bits: np.ndarray = t.view(torch.int16).numpy().view(np.uint16)
-        return bits
     try:
+        if t.device.type != "cpu":
+            t = t.cpu()
+        if t.requires_grad:  # (each torch call gives up the GIL: only when needed)
+            t = t.detach()
+        if t.dtype == torch.bfloat16:
+            bits: np.ndarray = t.view(torch.int16).numpy().view(np.uint16)
+            return bits
         values: np.ndarray = t.numpy()
         return values
     except TypeError as exc:  # a dtype numpy lacks (float8, complex32, ...)
         raise RejectedMessage("dtype", f"{what}: dtype {t.dtype} cannot be stored") from exc
+    except (ValueError, RuntimeError) as exc:  # a shape numpy cannot address, a device gone
+        raise RejectedMessage("shape", f"{what}: a tensor of shape {list(t.shape)} cannot be "
+                                       f"read: {exc}") from exc
 
 
-def _spec_of(t: Any, values: np.ndarray) -> FieldSpec:
+def _spec_of(t: Any, values: np.ndarray, what: str, limit: int) -> FieldSpec:
+    """The per-world spec of ``values``, whose one world's row (every dimension counted as at
+    least 1, so no zero-size dimension hides a huge one) must fit in ``limit`` bytes.
+
+    Raises:
+        RejectedMessage: (``"shape"``) one world's row is larger than ``limit``.
+    """
     dtype = "bfloat16" if isinstance(t, torch.Tensor) and t.dtype == torch.bfloat16 else str(values.dtype)
-    return FieldSpec(dtype, tuple(int(d) for d in values.shape[1:]))
+    shape = tuple(int(d) for d in values.shape[1:])
+    span = math.prod(max(d, 1) for d in shape) * values.dtype.itemsize
+    if span > limit:
+        raise RejectedMessage("shape", f"{what}: one world's row of shape {list(shape)} spans {span} "
+                                       f"bytes, more than the run's share of the memory budget ({limit})")
+    return FieldSpec(dtype, shape)
+
+
+def _name(value: Any, what: str) -> str:
+    if not isinstance(value, str) or not value:
+        raise RejectedMessage("name", f"{what}: expected a non-empty str, got {value!r:.80}")
+    return value
 
 
 class RunAssembly:
@@ -99,16 +145,29 @@ class RunAssembly:
         clean: Whether every world's current episode is seen from its start.
         resumed: Whether the run was reopened from the store (its first job recovers it).
         commit_interval: Seconds between index commits while the run is busy.
+        joined: Whether the run was joined without its ``RunStart`` (and not resumed): if its
+            first message is not seq 0 or 1, the messages before it are recorded as a gap
+            (source :data:`GAP_JOINED_LATE`).
+
+    Raises:
+        RejectedMessage: (``"budget"``) the run's worlds do not fit in ``budget_bytes``.
     """
 
     def __init__(self, run: str, primary: RunWriter, failed: RunWriter | None, mode: ExportMode,
                  queue: RunWriteQueue, *, num_worlds: int | None, budget_bytes: int, clean: bool,
-                 resumed: bool, commit_interval: float = 0.5) -> None:
+                 resumed: bool, commit_interval: float = 0.5, joined: bool = False) -> None:
         self.run, self.primary, self.failed, self.mode = run, primary, failed, mode
         self.queue = queue
         self.worlds_known = num_worlds is not None
         self.num_worlds = max(1, num_worlds or 1)
         self.budget_bytes = budget_bytes
+        need = self.base_bytes(self.num_worlds, len(self._writers()))
+        if need > budget_bytes:  # before anything per world is allocated
+            raise RejectedMessage("budget", f"run {run!r}: {self.num_worlds} worlds need {need} "
+                                            f"bytes, more than the run's share of the memory "
+                                            f"budget ({budget_bytes}); raise --memory-budget")
+        self._joined = joined
+        self._unmade: set[tuple[int, str]] = set()  # (writer, term) declared, arrays not made yet
         self.commit_interval = commit_interval
         self.topics: dict[str, TopicBuffer] = {}
         self.episode = np.full(self.num_worlds, 0 if clean else -1, np.int64)
@@ -118,6 +177,7 @@ class RunAssembly:
         self.pending_vars: dict[str, list[tuple[np.ndarray, ...]]] = defaultdict(list)
         self.var_meta: dict[str, tuple[str, list[Any] | None, FieldSpec]] = {}
         self.pending_gaps: list[tuple[int, int, int, str]] = []
+        self._pending_var_bytes = 0
         self.packers: dict[tuple[int, str], EpisodePacker] = {}
         committed = primary.committed
         self.seq_high = int(committed["seq_high"])
@@ -130,20 +190,28 @@ class RunAssembly:
         self.ended = False
         self.started = False
         """Whether the run's ``RunStart`` was seen."""
+        self.first_seq: int | None = None
+        """Sequence number of the first message this daemon accepted for the run."""
         self._clean_start = clean  # worlds discovered later start clean too (nothing lost yet)
         self.piece_bytes = 1 << 12
         self._rebudget()
 
-    def adoptable(self) -> bool:
-        """Whether a ``RunStart`` arriving now belongs to this run (joined a moment ago, nothing
-        of it in the store yet) rather than starting a new session of its id."""
-        return not self.started and not self.resumed and not self.primary.exists
+    def adoptable(self, seq: int) -> bool:
+        """Whether a ``RunStart`` of sequence number ``seq`` arriving now belongs to this run
+        (joined by this daemon a moment ago, from a message numbered after ``seq``, with no
+        episode stored yet) rather than starting a new session of its id."""
+        return (not self.started and not self.resumed and self.first_seq is not None
+                and seq < self.first_seq and not any(w.stored for w in self._writers()))
 
     def adopt(self, num_worlds: int, device: str, metadata: dict[str, Any]) -> None:
-        """Take the run's late ``RunStart``: its world count, device and metadata."""
-        self.started = True
+        """Take the run's late ``RunStart``: its world count, device and metadata.
+
+        Raises:
+            RejectedMessage: (``"budget"``) ``num_worlds`` do not fit in the run's budget.
+        """
         if num_worlds > self.num_worlds:
             self._grow(num_worlds)
+        self.started = True
         self.worlds_known = True
         for writer in self._writers():
             with writer.lock:
@@ -162,14 +230,27 @@ class RunAssembly:
         Raises:
             RejectedMessage: (``"replay"``) ``seq`` was seen already.
         """
+        seq, step = int(seq), int(step)
+        if self._joined:  # the first message of a run joined without its RunStart
+            self._joined = False
+            if seq > 1:
+                self.pending_gaps.append((0, seq, GAP_JOINED_LATE, ""))
+                self.invalidate(None)
+            self.last_seq = seq - 1
+        if self.first_seq is None:
+            self.first_seq = seq
         if seq <= self.last_seq:
             raise RejectedMessage("replay", f"run {self.run!r}: message seq {seq} is not after the "
                                             f"last one accepted ({self.last_seq}); a replay or a "
                                             f"duplicate is never stored twice", worlds=np.zeros(0, np.int64))
         if self._resume_seq is not None:
-            if seq > self._resume_seq + 1:  # what the daemon that stopped never committed
-                self.pending_gaps.append((self._resume_seq + 1, seq, 1, ""))
+            # What the daemon that stopped never committed: the messages after its last
+            # commit, and the episodes then in progress (so recorded even when none was lost).
+            self.pending_gaps.append((self._resume_seq + 1, max(seq, self._resume_seq + 1), 1, ""))
             self._resume_seq = None
+        elif seq > self.last_seq + 1:  # messages of this run never arrived (or went elsewhere)
+            self.pending_gaps.append((self.last_seq + 1, seq, GAP_SEQUENCE, ""))
+            self.invalidate(None)
         self.last_seq = seq
         self.seq_high = max(self.seq_high, seq)
         self.step_high = max(self.step_high, step)
@@ -187,11 +268,13 @@ class RunAssembly:
         if len(worlds):
             lo, hi = int(worlds.min()), int(worlds.max())
             limit = self.num_worlds if self.worlds_known else MAX_WORLDS
-            if lo < 0 or hi >= limit:
+            named = np.unique(worlds[(worlds >= 0) & (worlds < self.num_worlds)])
+            if lo < 0 or hi >= limit:  # the episodes of the worlds it does name miss it
                 raise RejectedMessage("worlds", f"topic {topic!r}: world indices must lie in "
-                                                f"[0, {limit}), got {lo}..{hi}")
+                                                f"[0, {limit}), got {lo}..{hi}", named)
             if len(np.unique(worlds)) != len(worlds):
-                raise RejectedMessage("worlds", f"topic {topic!r}: world indices must be distinct")
+                raise RejectedMessage("worlds", f"topic {topic!r}: world indices must be distinct",
+                                      named)
             if hi >= self.num_worlds:
                 self._grow(hi + 1)
         return worlds, episodes.astype(np.int64, copy=False)
@@ -199,26 +282,34 @@ class RunAssembly:
     # -- message handlers ----------------------------------------------------------------
 
     def on_batch(self, msg: Batch) -> None:
-        worlds, episodes = self._worlds(msg.worlds, msg.episodes, msg.topic)
+        topic = msg.topic
+        if not isinstance(topic, str) or not topic.startswith("batch/") or topic == "batch/":
+            raise RejectedMessage("topic", f"a batch on topic {topic!r:.80}: expected 'batch/<term>'")
+        worlds, episodes = self._worlds(msg.worlds, msg.episodes, topic)
         fields: dict[str, np.ndarray] = {}
         specs: dict[str, FieldSpec] = {}
         try:
+            if msg.hook not in _HOOK_NAMES:
+                raise RejectedMessage("hook", f"topic {topic!r}: unknown hook {msg.hook!r:.80}")
+            if not isinstance(msg.fields, Mapping) or not msg.fields:
+                raise RejectedMessage("schema", f"topic {topic!r}: expected a non-empty mapping of "
+                                                f"fields, got {msg.fields!r:.80}")
             for name, t in msg.fields.items():
-                values = as_numpy(t, f"topic {msg.topic!r} field {name!r}")
+                _name(name, f"topic {topic!r} field name")
+                if name in _RESERVED_FIELDS:  # the buffers and the writer key their own columns so
+                    raise RejectedMessage("name", f"topic {topic!r}: field name {name!r} is reserved "
+                                                  f"(every term stores its {' and '.join(_RESERVED_FIELDS)})")
+                values = as_numpy(t, f"topic {topic!r} field {name!r}")
                 if values.shape[:1] != (len(worlds),):
-                    raise RejectedMessage("shape", f"topic {msg.topic!r} field {name!r}: expected a "
+                    raise RejectedMessage("shape", f"topic {topic!r} field {name!r}: expected a "
                                                    f"leading worlds dimension of {len(worlds)}, got "
                                                    f"{values.shape}")
-                specs[name] = _spec_of(t, values)
+                specs[name] = _spec_of(t, values, f"topic {topic!r} field {name!r}", self.budget_bytes)
                 fields[name] = values
-            if not fields:
-                raise RejectedMessage("schema", f"topic {msg.topic!r}: a batch without fields")
-            buf = self._topic(msg.term, specs, dense=len(worlds) == self.num_worlds)
+            buf = self._topic(topic.removeprefix("batch/"), specs, dense=len(worlds) == self.num_worlds)
         except RejectedMessage as exc:
             exc.worlds = worlds
             raise
-        if msg.hook not in ("pre_step", "post_step", "pre_reset", "post_reset"):
-            raise RejectedMessage("hook", f"topic {msg.topic!r}: unknown hook {msg.hook!r}", worlds)
         stale = self.episode[worlds] != episodes
         if stale.any():  # we missed this world's episode boundary: its start is unseen
             self._drop(worlds[stale])
@@ -232,10 +323,10 @@ class RunAssembly:
             return
         if buf.full(worlds):
             self._fragments(buf)
-        buf.add(worlds, fields, msg.step, msg.hook)
+        buf.add(worlds, fields, int(msg.step), msg.hook)
 
     def on_end(self, msg: EpisodeEnd) -> None:
-        worlds, episodes = self._worlds(msg.worlds, msg.episodes, msg.topic)
+        worlds, episodes = self._worlds(msg.worlds, msg.episodes, "episode/end")
         try:
             flags = {k: as_numpy(getattr(msg, k), f"episode/end {k}")
                      for k in ("success", "terminated", "truncated")}
@@ -244,6 +335,13 @@ class RunAssembly:
                 if v.shape != worlds.shape:
                     raise RejectedMessage("shape", f"episode/end {name}: expected shape {worlds.shape}, "
                                                    f"got {v.shape}")
+                if v.dtype.kind not in ("iu" if name == "length" else "b"):
+                    raise RejectedMessage("dtype", f"episode/end {name}: expected "
+                                                   f"{'integers' if name == 'length' else 'bools'}, "
+                                                   f"got {v.dtype}")
+            if len(length) and int(length.min()) < 0:
+                raise RejectedMessage("length", f"episode/end length: expected counts >= 0, got "
+                                                f"{int(length.min())}")
         except RejectedMessage as exc:
             exc.worlds = worlds
             raise
@@ -267,36 +365,42 @@ class RunAssembly:
             for i in np.flatnonzero(sel).tolist():
                 w = int(worlds[i])
                 row = {"world": w, "index": int(episodes[i]), "length": int(length[i]),
-                       "end_step": msg.step, "end_seq": msg.seq,
+                       "end_step": int(msg.step), "end_seq": int(msg.seq),
                        **{k: bool(v[i]) for k, v in flags.items()}}
                 self.pending[id(writer)].append((row, segs[w]))
         self.episode[worlds] = episodes + 1
         self.clean[worlds] = True
 
     def on_variation(self, msg: VariationSample) -> None:
-        worlds, episodes = self._worlds(msg.worlds, msg.episodes, msg.topic)
-        value = as_numpy(msg.value, f"topic {msg.topic!r} value")
-        if value.shape[:1] != (len(worlds),):
-            raise RejectedMessage("shape", f"topic {msg.topic!r} value: expected a leading worlds "
-                                           f"dimension of {len(worlds)}, got {value.shape}")
         if not isinstance(msg.key, str) or not msg.key:
-            raise RejectedMessage("key", f"topic {msg.topic!r}: invalid variation key {msg.key!r}")
-        if msg.phase not in ("build", "runtime"):
-            raise RejectedMessage("phase", f"variation {msg.key!r}: phase {msg.phase!r} is neither "
-                                           f"'build' nor 'runtime'")
-        spec = _spec_of(msg.value, value)
+            raise RejectedMessage("key", f"invalid variation key {msg.key!r:.80}")
+        topic = f"variation/{msg.key}"
+        worlds, episodes = self._worlds(msg.worlds, msg.episodes, topic)
+        try:
+            value = as_numpy(msg.value, f"topic {topic!r} value")
+            if value.shape[:1] != (len(worlds),):
+                raise RejectedMessage("shape", f"topic {topic!r} value: expected a leading worlds "
+                                               f"dimension of {len(worlds)}, got {value.shape}")
+            if msg.phase not in ("build", "runtime"):
+                raise RejectedMessage("phase", f"variation {msg.key!r}: phase {msg.phase!r:.80} is "
+                                               f"neither 'build' nor 'runtime'")
+            labels = _labels(msg.labels, msg.key)
+            spec = _spec_of(msg.value, value, f"topic {topic!r} value", self.budget_bytes)
+        except RejectedMessage as exc:
+            exc.worlds = worlds
+            raise
         known = self.var_meta.get(msg.key)
         stored = known[2] if known is not None else self.primary.variation_spec(msg.key)
         if stored is not None and stored != spec:
             raise RejectedMessage("schema", f"variation {msg.key!r}: expected values of "
                                             f"{stored.dtype} {list(stored.shape)}, got {spec.dtype} "
-                                            f"{list(spec.shape)}")
+                                            f"{list(spec.shape)}", worlds)
         if known is None:
-            self.var_meta[msg.key] = (str(msg.phase), None if msg.labels is None else list(msg.labels),
-                                      spec)
+            self.var_meta[msg.key] = (str(msg.phase), labels, spec)
         self.pending_vars[msg.key].append((worlds.copy(), episodes.copy(),
-                                           np.full(len(worlds), msg.step, np.int64),
-                                           np.full(len(worlds), msg.seq, np.int64), value.copy()))
+                                           np.full(len(worlds), int(msg.step), np.int64),
+                                           np.full(len(worlds), int(msg.seq), np.int64), value.copy()))
+        self._pending_var_bytes += int(value.nbytes) + 32 * len(worlds)
 
     def on_gap(self, expected: int, received: int, topic: str) -> None:
         """Messages were lost in transit (late joins included): every episode in progress is
@@ -340,7 +444,10 @@ class RunAssembly:
     # -- commits -------------------------------------------------------------------------
 
     def due(self) -> bool:
-        """Whether something waits to be committed and the commit interval elapsed."""
+        """Whether something waits to be committed and the commit interval elapsed (or the
+        variation samples waiting for it fill an eighth of the run's budget)."""
+        if self._pending_var_bytes > self.budget_bytes // 8:
+            return True
         return bool(self.pending or self.pending_vars or self.pending_gaps) and \
             time.monotonic() - self.last_commit >= self.commit_interval
 
@@ -353,11 +460,19 @@ class RunAssembly:
         write failed. With ``wait`` (shutdown, run end), returns once the commit has run (or
         the queue has failed: see :attr:`RunWriteQueue.failure`).
         """
+        if not (self.started or self.resumed or status is not None or self.pending or self.pending_vars) \
+                and not any(w.exists for w in self._writers()):
+            # A run joined without its RunStart that has nothing but gaps to commit: nothing
+            # of it goes to the store yet (its gaps wait for its first episode or sample), so
+            # stray one-message runs leave no files behind.
+            self.last_commit = time.monotonic()
+            return
         for packer in self.packers.values():
             packer.flush()
         pending = {id(w): self.pending.pop(id(w), []) for w in self._writers()}
         variations = {k: (*self.var_meta[k], parts) for k, parts in self.pending_vars.items()}
         self.pending_vars = defaultdict(list)
+        self._pending_var_bytes = 0
         gaps, self.pending_gaps = self.pending_gaps, []
         for writer in self._writers():
             self.queue.submit(_commit_job, writer, pending.get(id(writer), []), variations, gaps,
@@ -368,8 +483,10 @@ class RunAssembly:
 
     def _finish_arrays(self) -> None:
         """Cut every array to its committed rows and record that (run end, shutdown)."""
+        self.queue.wait()  # (a run that never reached the store has nothing to cut)
         for writer in self._writers():
-            self.queue.submit(_trim_job, writer)
+            if writer.exists:
+                self.queue.submit(_trim_job, writer)
         self.queue.wait()
 
     # -- budget --------------------------------------------------------------------------
@@ -381,30 +498,52 @@ class RunAssembly:
             self._rebudget()
 
     def memory(self) -> int:
-        """Bytes held for the run's buffers and pieces (the bound its budget keeps)."""
-        return sum(b.nbytes for b in self.topics.values()) + sum(p.nbytes for p in self.packers.values())
+        """Bytes held for the run's buffers, bookkeeping, pieces and variation samples waiting
+        for their commit (the bound its budget keeps)."""
+        total = int(self.episode.nbytes + self.clean.nbytes) + self._pending_var_bytes
+        for buf in self.topics.values():
+            total += buf.nbytes + sum(int(v.nbytes) for v in vars(buf).values() if isinstance(v, np.ndarray))
+        return total + sum(p.nbytes for p in self.packers.values())
+
+    @staticmethod
+    def base_bytes(num_worlds: int, writers: int = 1) -> int:
+        """The smallest budget of a run of ``num_worlds`` worlds before its first term."""
+        return num_worlds * _WORLD_BYTES + 2 * _MIN_PIECE * writers
 
     def min_budget(self) -> int:
         """The smallest budget the run's current terms and worlds fit in (one row per world)."""
-        pairs = max(1, len(self.topics)) * len(self._writers())
-        return sum(b.row_bytes for b in self.topics.values()) * self.num_worlds + 2 * _MIN_PIECE * pairs
+        return self._need(_MIN_PIECE, 1)
+
+    def _need(self, piece: int, capacity: int) -> int:
+        """Bytes the run holds at most with pieces of ``piece`` bytes and ``capacity`` rows per
+        world of every topic: per-world bookkeeping, rows (one ``present`` byte each
+        included), and two piece buffers per term and writer (a piece holds one row at least)."""
+        writers = len(self._writers())
+        fixed = self.num_worlds * (_WORLD_BYTES + _TOPIC_WORLD_BYTES * len(self.topics))
+        rows = capacity * self.num_worlds * sum(b.row_bytes + 1 for b in self.topics.values())
+        pieces = 2 * writers * (sum(max(piece, b.row_bytes) for b in self.topics.values())
+                                if self.topics else piece)
+        return fixed + rows + pieces
 
     def _rebudget(self) -> None:
-        """Give every topic the same rows per world within the budget, after the pieces' share.
+        """Give every topic the same rows per world within the budget, after the bookkeeping's
+        and the pieces' share (pieces shrink, down to their minimum, before rows do).
 
         Raises:
             RejectedMessage: (``"budget"``) one row per world of every term does not fit.
         """
         pairs = max(1, len(self.topics)) * len(self._writers())
         piece = max(_MIN_PIECE, min(64 << 20, self.budget_bytes // (8 * pairs)))
-        data = self.budget_bytes - 2 * piece * pairs
-        per_row = sum(b.row_bytes for b in self.topics.values()) * self.num_worlds
-        if self.topics and per_row > data:
+        while piece > _MIN_PIECE and self._need(piece, 1) > self.budget_bytes:
+            piece = max(_MIN_PIECE, piece // 2)
+        if self._need(piece, 1) > self.budget_bytes:
             raise RejectedMessage("budget", f"run {self.run!r}: one row per world of every term "
-                                            f"({per_row} bytes for {self.num_worlds} worlds) does "
-                                            f"not fit in the run's share of the memory budget "
-                                            f"({self.budget_bytes} bytes); raise --memory-budget")
-        capacity = max(1, data // max(1, per_row))
+                                            f"({self._need(piece, 1)} bytes with bookkeeping for "
+                                            f"{self.num_worlds} worlds) does not fit in the run's "
+                                            f"share of the memory budget ({self.budget_bytes} "
+                                            f"bytes); raise --memory-budget")
+        per_row = self._need(piece, 2) - self._need(piece, 1)
+        capacity = max(1, (self.budget_bytes - self._need(piece, 0)) // max(1, per_row))
         if piece != self.piece_bytes:
             self._drop_packers()
             self.piece_bytes = piece
@@ -434,6 +573,11 @@ class RunAssembly:
         re-divided before any buffer is reallocated."""
         old = self.num_worlds
         self.num_worlds = n
+        if self._need(_MIN_PIECE, 1) > self.budget_bytes:  # before anything is allocated
+            self.num_worlds = old
+            raise RejectedMessage("budget", f"run {self.run!r}: {n} worlds do not fit in the run's "
+                                            f"share of the memory budget ({self.budget_bytes} "
+                                            f"bytes); raise --memory-budget")
         self.episode = np.concatenate([self.episode, np.full(n - old, 0 if self._clean_start else -1,
                                                              np.int64)])
         self.clean = np.concatenate([self.clean, np.full(n - old, self._clean_start, bool)])
@@ -443,6 +587,9 @@ class RunAssembly:
             self.num_worlds = old
             self.episode, self.clean = self.episode[:old], self.clean[:old]
             raise
+        for writer in self._writers():  # the count discovered so far, stored at the next commit
+            with writer.lock:
+                writer.meta["num_worlds"] = max(int(writer.meta["num_worlds"]), n)
 
     def _topic(self, term: str, specs: dict[str, FieldSpec], *, dense: bool) -> TopicBuffer:
         """The buffer of ``term``, made on its first batch: time-major when that batch
@@ -458,8 +605,8 @@ class RunAssembly:
                 new = writer.declare_term(term, specs)
             except StoreFormatError as exc:
                 raise RejectedMessage("schema", str(exc)) from exc
-            if new:
-                self.queue.submit(writer.create_term, term)
+            if new:  # its arrays are made before its first rows are written (never if none are)
+                self._unmade.add((id(writer), term))
         buf = (DenseTopicBuffer if dense else TopicBuffer)(term, specs, self.num_worlds, 1)
         self.topics[term] = buf
         try:
@@ -475,8 +622,15 @@ class RunAssembly:
         for w in worlds.tolist():
             self.frags.pop(w, None)
 
+    def _make_term(self, writer: RunWriter, term: str) -> None:
+        """Queue the creation of ``term``'s arrays in ``writer``'s store before its first rows."""
+        if (id(writer), term) in self._unmade:
+            self._unmade.discard((id(writer), term))
+            self.queue.submit(writer.create_term, term)
+
     def _packer(self, writer: RunWriter, buf: TopicBuffer) -> EpisodePacker:
         key = (id(writer), buf.term)
+        self._make_term(writer, buf.term)
         if key not in self.packers:
             self.packers[key] = EpisodePacker(writer, buf, self.piece_bytes, self.queue)
         return self.packers[key]
@@ -517,6 +671,7 @@ class RunAssembly:
         out: list[Segment] = []
         term = self.primary.meta["topics"][code]
         step = max(1, self.piece_bytes // self.topics[term].row_bytes)
+        self._make_term(writer, term)
         self.queue.submit(_copy_job, self.primary, writer, term, offset, rows, step, out)
         self.queue.wait()
         return out
@@ -530,6 +685,21 @@ class RunAssembly:
             self.commit(wait=True)
             self._finish_arrays()
         self.queue.close()
+
+
+def _labels(labels: Any, key: str) -> list[Any] | None:
+    """The labels of a categorical variation as stored (``None``, or a list of scalars).
+
+    Raises:
+        RejectedMessage: (``"labels"``) they are not a tuple or list of str, int, float or bool.
+    """
+    if labels is None:
+        return None
+    if not isinstance(labels, tuple | list) or not all(
+            isinstance(v, str | int | float | bool) for v in labels):
+        raise RejectedMessage("labels", f"variation {key!r}: expected labels as a tuple of str, int, "
+                                        f"float or bool, got {labels!r:.80}")
+    return list(labels)
 
 
 def _describe(specs: Mapping[str, FieldSpec]) -> str:

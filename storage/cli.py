@@ -5,9 +5,10 @@ writes their runs into STORE; ``worldtap-store info STORE`` lists the runs of a 
 SIGINT and SIGTERM commit every complete episode and exit 0.
 
 Exit codes (every error is one line on stderr): 0 done; 1 an unexpected error; 2 usage error
-(a bad option value); 3 the store is locked, is not a run store, or cannot be opened; 4 a run
-failed to write (the daemon served the other runs; the failed ones stay at their last commit);
-5 an endpoint cannot be bound or connected.
+(a bad option value); 3 the store is locked, is not a run store, or cannot be opened or
+written; 4 a run failed to write (the daemon served the other runs; the failed ones stay at
+their last commit); 5 an endpoint cannot be bound or connected. A store write that fails while serving (disk
+full) fails that run only: it keeps its last commit, and the exit code is 4.
 """
 
 from __future__ import annotations
@@ -27,11 +28,11 @@ from typing import Any
 
 from .daemon import StoreDaemon
 from .errors import StorageError, StoreDamagedError
-from .lock import StoreLease, StoreLock
+from .lock import FencedStore, StoreLease, StoreLock
 from .reader import RunStore
 from .status import StatusReporter, format_status
 
-__all__ = ["build_parser", "main", "parse_size", "store_locks"]
+__all__ = ["build_parser", "main", "parse_size", "store_locks", "subscriber_id"]
 
 _log = logging.getLogger("worldtap.storage")
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6,
@@ -205,7 +206,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except StoreDamagedError as exc:
         print(f"worldtap-store: {exc}", file=sys.stderr)
         return 3
-    except (StorageError, PermissionError) as exc:
+    except (StorageError, OSError) as exc:  # locked, not a run store, disk full, read-only
         print(f"worldtap-store: {exc}", file=sys.stderr)
         return 3
     except Exception as exc:  # one line for the operator; the traceback at --log-level DEBUG
@@ -232,16 +233,21 @@ def _serve(args: argparse.Namespace, stop: threading.Event) -> int:
         for lock in locks:  # before opening: resuming modifies the store
             stack.enter_context(lock)
         leases = [lock for lock in locks if isinstance(lock, StoreLease)]
+        store, failed_store = _fenced(args, locks)
         bind = bool(args.bind)
         endpoints = args.bind if bind else (args.connect or ["tcp://127.0.0.1:5555"])
+        # A stable id (the store's): a daemon restarted on the same store is the same
+        # subscriber to publishers, which send it again every RunEnd it had not confirmed.
+        # RunEnds are confirmed only once the run's last commit is durable (on_run_end).
         sub = Subscriber(endpoints, topics=("",), bind=bind, curve=args.curve,
-                         max_message_size=args.max_message_size, hwm=args.hwm)
+                         max_message_size=args.max_message_size, hwm=args.hwm,
+                         id=subscriber_id(args.store), confirm_run_ends=False)
         stack.callback(sub.close)
-        daemon = StoreDaemon(args.store, export=args.export, failed_store=args.failed_store,
+        daemon = StoreDaemon(store, export=args.export, failed_store=failed_store,
                              compression=args.compression, chunk_bytes=args.chunk_size,
                              memory_budget=args.memory_budget, fsync=args.fsync,
                              commit_interval=args.commit_interval, max_runs=args.max_runs,
-                             idle_timeout=args.idle_timeout)
+                             idle_timeout=args.idle_timeout, on_run_end=sub.confirm_run_end)
         stack.callback(daemon.close)
 
         def transport() -> dict[str, Any]:
@@ -296,6 +302,33 @@ def _curve(args: argparse.Namespace) -> Any:
     from broker.security import load_public_key
 
     return CurveClient(load_keypair(args.curve_keys), load_public_key(args.curve_server))
+
+
+def subscriber_id(store: str) -> str:
+    """The daemon's subscriber id for ``store``: the same for every daemon on that store."""
+    import hashlib
+
+    from ._format import local_path
+
+    path = local_path(store)
+    where = str(path.resolve()) if path is not None else str(store)
+    return "store-" + hashlib.sha256(where.encode()).hexdigest()[:16]
+
+
+def _fenced(args: argparse.Namespace, locks: list[StoreLock | StoreLease]) -> tuple[Any, Any]:
+    """The daemon's store and failed store, each behind its lease when it has one (a daemon
+    whose lease lapsed writes nothing more: :class:`storage.FencedStore`)."""
+    from ._format import open_store
+    from .daemon import failed_store_location
+
+    if args.export == "none":
+        return args.store, args.failed_store
+    locations = [args.store, args.failed_store or failed_store_location(args.store)]
+    out: list[Any] = [args.store, locations[1] if args.export == "split" else None]
+    for i, lock in enumerate(locks):
+        if isinstance(lock, StoreLease):
+            out[i] = FencedStore(open_store(locations[i], fsync=args.fsync), lock)
+    return out[0], out[1]
 
 
 def store_locks(args: argparse.Namespace) -> list[StoreLock | StoreLease]:

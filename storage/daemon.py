@@ -15,10 +15,18 @@ and the next daemon on the store resumes the run from its last commit.
 Failure isolation: a message the store cannot accept is rejected (counted by reason, logged,
 and the episodes it touched become incomplete); a run whose store writes fail is *failed*: it
 stops at its last commit, its later messages are rejected, and every other run goes on.
+Nothing a message holds fails a run: malformed envelopes, ``RunStart`` values (world count,
+device, metadata JSON attributes cannot hold), ``RunEnd`` schemas, batches, episode ends and
+variation samples are all rejections.
+
+Sessions: a ``RunStart`` always starts a run: the late ``RunStart`` of a run joined a moment
+before from later messages is adopted by it; any other is a new session of its run id, stored
+as ``<run>#2``, ``<run>#3``, ... and never merged. A repeated ``RunEnd`` is confirmed again.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import os
@@ -32,10 +40,10 @@ from typing import Any
 
 import numpy as np
 
-from broker import Batch, EpisodeEnd, Gap, Message, RunEnd, RunStart, VariationSample
+from broker import Batch, EpisodeEnd, FieldSpec, Gap, Message, RunEnd, RunStart, VariationSample
 
 from ._format import Compression, StoreLocation, local_path, to_json
-from .assembly import ExportMode, RejectedMessage, RunAssembly
+from .assembly import MAX_WORLDS, ExportMode, RejectedMessage, RunAssembly
 from .run_writer import RunStoreWriter, RunWriter
 from .write_queue import RunWriteQueue
 
@@ -182,7 +190,6 @@ class StoreDaemon:
         """Store one message, or record a transport gap. Never raises for what a message holds:
         messages the store cannot accept are counted and skipped (see :meth:`statistics`)."""
         if isinstance(item, Gap):
-            self._gaps += 1
             self._on_gap(item)
             return
         self._messages += 1
@@ -255,9 +262,12 @@ class StoreDaemon:
         if name in self._failed:
             raise RejectedMessage("run failed", f"run {name!r} failed earlier ({self._failed[name]}); "
                                                 f"its messages are not stored", worlds=np.zeros(0, np.int64))
+        if name not in self._ended and self.writers[0].status(name) == "complete":
+            self._ended.add(name)  # ended before this daemon started: never reopened
         if name in self._ended:
-            if isinstance(msg, RunEnd) and self.on_run_end is not None:
-                self.on_run_end(msg.run)  # a repeated end (the publisher asks again): confirm
+            if isinstance(msg, RunEnd):  # a repeated end (the publisher asks again): confirm
+                if self.on_run_end is not None:
+                    self.on_run_end(msg.run)
                 return None
             raise RejectedMessage("run ended", f"run {name!r}: a message after its RunEnd",
                                   worlds=np.zeros(0, np.int64))
@@ -265,9 +275,14 @@ class StoreDaemon:
 
     def _start(self, msg: RunStart, asm: RunAssembly | None) -> RunAssembly:
         """A ``RunStart``: a new run, the late start of a run joined a moment ago, or a new
-        session of a run id already used (stored under a new name, never merged)."""
-        if asm is not None and asm.adoptable():
-            asm.adopt(msg.num_worlds, msg.device, to_json(dict(msg.metadata)))
+        session of a run id already used (stored under a new name, never merged).
+
+        Raises:
+            RejectedMessage: The ``RunStart`` holds something that cannot be stored.
+        """
+        num_worlds, device, metadata = _start_fields(msg)
+        if asm is not None and asm.adoptable(int(msg.seq)):
+            asm.adopt(num_worlds, device, metadata)
             _log.info("run %r: its RunStart arrived after its first messages; adopted", asm.run)
             return asm
         previous = self._session.get(msg.run, msg.run)
@@ -283,8 +298,8 @@ class StoreDaemon:
             _log.warning("run id %r is already in the store: this session is stored as %r", msg.run, name)
         self._session[msg.run] = name
         self._ended.discard(name)
-        return self._admit(name, msg.run, num_worlds=msg.num_worlds, device=msg.device,
-                           metadata=to_json(dict(msg.metadata)), clean=True, seq=msg.seq, step=msg.step)
+        return self._admit(name, msg.run, num_worlds=num_worlds, device=device,
+                           metadata=metadata, clean=True, seq=msg.seq, step=msg.step)
 
     def _open(self, name: str, msg: Message) -> RunAssembly:
         """A run joined without its ``RunStart``: resumed from the store, or new (its start
@@ -301,6 +316,11 @@ class StoreDaemon:
                          len(self.runs), idle)
             self._retire(idle)
         share = self.memory_budget // (len(self.runs) + 1)
+        pieces = 2 if self.export == "split" else 1
+        if num_worlds is not None and RunAssembly.base_bytes(num_worlds, pieces) > share:
+            raise RejectedMessage("budget", f"run {name!r}: {num_worlds} worlds do not fit in its "
+                                            f"share ({share} bytes) of --memory-budget="
+                                            f"{self.memory_budget}")
         for other in self.runs.values():
             if other.min_budget() > share:
                 raise RejectedMessage("budget", f"run {name!r}: {len(self.runs) + 1} runs do not "
@@ -324,18 +344,26 @@ class StoreDaemon:
                 stored_worlds = int(primary.meta["num_worlds"])
             num_worlds = stored_worlds if known else None
             clean = False
-        elif num_worlds is not None:
-            with primary.lock:
-                primary.meta["num_worlds_known"] = True
+        else:
+            for writer in writers:
+                with writer.lock:  # a joined run's worlds are discovered (and not trusted on resume)
+                    writer.meta["num_worlds_known"] = num_worlds is not None
         queue = RunWriteQueue(name)
+        try:
+            asm = RunAssembly(name, primary, writers[1] if len(writers) > 1 else None, self.export,
+                              queue, num_worlds=num_worlds, budget_bytes=share, clean=clean,
+                              resumed=resumed, commit_interval=self.commit_interval,
+                              joined=seq is None and not resumed)
+        except BaseException:
+            queue.close()
+            for store in self.writers:
+                store.forget(name)
+            raise
         for writer in writers:
             if writer.exists:
                 queue.submit(_resume_job, writer)
             elif num_worlds is not None:
                 queue.submit(writer.create)  # a started run shows in the store at once
-        asm = RunAssembly(name, primary, writers[1] if len(writers) > 1 else None, self.export,
-                          queue, num_worlds=num_worlds, budget_bytes=share, clean=clean,
-                          resumed=resumed, commit_interval=self.commit_interval)
         if seq is not None and step is not None:
             asm.started = True
             asm.check_seq(seq, step)
@@ -351,6 +379,14 @@ class StoreDaemon:
     # -- run ends, failures, retirement --------------------------------------------------
 
     def _end(self, asm: RunAssembly, msg: RunEnd) -> None:
+        schema = msg.schema
+        if not isinstance(schema, Mapping) or not all(
+                isinstance(t, str) and isinstance(fs, Mapping)
+                and all(isinstance(f, str) and isinstance(spec, FieldSpec) for f, spec in fs.items())
+                for t, fs in schema.items()):
+            raise RejectedMessage("header", f"run {asm.run!r}: RunEnd schema is not a mapping of "
+                                            f"topics to fields to FieldSpec: {schema!r:.120}",
+                                  worlds=np.zeros(0, np.int64))
         asm.on_run_end(msg)
         if asm.queue.failure is not None:
             raise asm.queue.failure
@@ -409,14 +445,24 @@ class StoreDaemon:
         run = getattr(item, "run", None)
         (_log.warning if self._rejected[exc.reason] <= 10 else _log.debug)(
             "rejected a message of run %r: %s", run, exc)
+        if name is None and isinstance(run, str):  # rejected before routing (its envelope)
+            name = self._session.get(run, run)
         asm = self.runs.get(name) if name is not None else None
         if asm is not None and (exc.worlds is None or len(exc.worlds)):
             asm.invalidate(exc.worlds)
 
     def _on_gap(self, gap: Gap) -> None:
+        run, topic, expected, received = gap.run, gap.topic, gap.expected, gap.received
+        if not (isinstance(run, str) and run and isinstance(topic, str)
+                and all(isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 1 << 63
+                        for v in (expected, received))):
+            self._rejected["gap"] += 1
+            _log.warning("a malformed gap was not recorded: %r", gap)
+            return
+        self._gaps += 1
         if self.export == "none":
             return
-        name = self._session.get(str(gap.run), str(gap.run))
+        name = self._session.get(run, run)
         asm = self.runs.get(name)
         try:
             if asm is None:
@@ -481,10 +527,39 @@ class StoreDaemon:
 def _check_envelope(msg: Message) -> None:
     run, seq, step = msg.run, msg.seq, msg.step
     if not isinstance(run, str) or not run:
-        raise RejectedMessage("run", f"invalid run id {run!r}")
+        raise RejectedMessage("run", f"invalid run id {run!r:.80}")
     for what, value in (("seq", seq), ("step", step)):
-        if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < 0:
-            raise RejectedMessage("header", f"run {run!r}: invalid {what} {value!r}")
+        if isinstance(value, bool) or not isinstance(value, int | np.integer) or not 0 <= value < 1 << 63:
+            raise RejectedMessage("header", f"run {run!r}: invalid {what} {value!r:.80} (expected an "
+                                            f"int in [0, 2**63))")
+
+
+def _start_fields(msg: RunStart) -> tuple[int, str, dict[str, Any]]:
+    """The world count, device and JSON-safe metadata of a ``RunStart``.
+
+    Raises:
+        RejectedMessage: (``"header"``) an invalid world count or device; (``"metadata"``)
+            metadata that is not a mapping of values JSON attributes can hold losslessly
+            (bytes and non-finite floats can: see :func:`storage._format.to_json`).
+    """
+    num_worlds, device, metadata = msg.num_worlds, msg.device, msg.metadata
+    if isinstance(num_worlds, bool) or not isinstance(num_worlds, int | np.integer) or \
+            not 1 <= num_worlds <= MAX_WORLDS:
+        raise RejectedMessage("header", f"run {msg.run!r}: RunStart num_worlds must be an int in "
+                                        f"[1, {MAX_WORLDS}], got {num_worlds!r:.80}")
+    if not isinstance(device, str):
+        raise RejectedMessage("header", f"run {msg.run!r}: RunStart device must be a str, got "
+                                        f"{device!r:.80}")
+    if not isinstance(metadata, Mapping):
+        raise RejectedMessage("metadata", f"run {msg.run!r}: RunStart metadata must be a mapping, "
+                                          f"got {type(metadata).__name__}")
+    try:
+        stored = to_json(dict(metadata))
+        json.dumps(stored, allow_nan=False)
+    except (TypeError, ValueError, RecursionError) as exc:
+        raise RejectedMessage("metadata", f"run {msg.run!r}: RunStart metadata cannot be stored "
+                                          f"as JSON attributes: {exc}") from None
+    return int(num_worlds), device, stored
 
 
 def _resume_job(writer: RunWriter) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 __all__ = [
     "EpisodeNotFoundError",
+    "LeaseExpiredError",
     "RunNotFoundError",
     "StorageError",
     "StoreDamagedError",
@@ -28,6 +29,11 @@ class StoreDamagedError(StorageError, OSError):
     """Part of a run store is missing or corrupt (a chunk that fails its checksum, a missing
     chunk inside the committed rows, unreadable attributes). The message names the run and
     the array; other runs of the store stay readable."""
+
+
+class LeaseExpiredError(StorageError, OSError):
+    """A daemon's lease on its store was not renewed in time: it stops writing, since another
+    daemon may hold the store by now (see :class:`storage.StoreLease`)."""
 
 
 class RunNotFoundError(StorageError, KeyError):

@@ -10,6 +10,9 @@
   create-if-absent here, so two daemons starting within the same moment could both read "no
   lease"; each re-reads its lease after writing it and the later writer wins, and a daemon
   that finds another's lease while renewing stops writing (see :attr:`StoreLease.lost`).
+  The holder is also *fenced*: once its last successful renewal is older than the ttl minus
+  a margin (cut off from the store, a stalled process), :meth:`StoreLease.check` raises and
+  :class:`FencedStore` refuses every write, before any other daemon could take the lease over.
 """
 
 from __future__ import annotations
@@ -26,9 +29,13 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, Self
 
-from .errors import StoreLockedError
+from zarr.abc.store import ByteRequest, Store
+from zarr.core.buffer import Buffer, BufferPrototype
+from zarr.storage import WrapperStore
 
-__all__ = ["StoreLease", "StoreLock", "lock_path"]
+from .errors import LeaseExpiredError, StoreLockedError
+
+__all__ = ["FencedStore", "StoreLease", "StoreLock", "lock_path"]
 
 _log = logging.getLogger("worldtap.storage")
 
@@ -109,20 +116,33 @@ class StoreLock(_Held):
 class StoreLease(_Held):
     """An exclusive lease on a store given by an fsspec URL (see the module notes).
 
+    Fencing: the holder counts as holding the lease only while its last successful renewal
+    (by its own monotonic clock, measured from before the write) is younger than
+    ``ttl - margin``; after that :meth:`check` raises :class:`LeaseExpiredError` and
+    :attr:`lost` is set, so a daemon cut off from the store stops writing before the lease
+    another daemon would wait for has expired. One failed renewal in a row is tolerated
+    (renewals come every ``ttl / 3``); two are not.
+
     Args:
         url: The store's URL (``s3://bucket/runs.zarr``); the lease is ``<url>.lock``.
         ttl: Seconds a lease lasts without renewal; it is renewed every ``ttl / 3``.
+        margin: Seconds before the lease's expiry at which the holder stops writing (clock
+            drift between hosts and the latency of one write); default ``ttl / 4``.
 
     Raises:
         StoreLockedError: From ``acquire()``, when another daemon's lease has not expired.
     """
 
-    def __init__(self, url: str, *, ttl: float = 30.0) -> None:
+    def __init__(self, url: str, *, ttl: float = 30.0, margin: float | None = None) -> None:
         import fsspec
 
-        if ttl <= 0:
+        if not ttl > 0:
             raise ValueError(f"ttl: expected a positive number of seconds, got {ttl!r}")
-        self.name, self.ttl = url, ttl
+        margin = ttl / 4 if margin is None else margin
+        if not 0 <= margin < ttl * 2 / 3:
+            raise ValueError(f"margin: expected seconds in [0, 2/3 of ttl), got {margin!r}")
+        self.name, self.ttl, self.margin = url, ttl, margin
+        self._renewed = -float("inf")  # monotonic time before the last successful write
         self.url = url.rstrip("/") + ".lock"
         self.fs, self.path = fsspec.core.url_to_fs(self.url)
         self.token = uuid.uuid4().hex
@@ -144,9 +164,35 @@ class StoreLease(_Held):
         return lease if isinstance(lease, dict) else None
 
     def _write(self) -> None:
+        started = time.monotonic()  # the lease runs from before the write, never after it
         lease = {"token": self.token, "host": socket.gethostname(), "pid": os.getpid(),
                  "expires": time.time() + self.ttl}
         self.fs.pipe_file(self.path, json.dumps(lease).encode())
+        self._renewed = started
+
+    @property
+    def age(self) -> float:
+        """Seconds since the last successful renewal began."""
+        return time.monotonic() - self._renewed
+
+    def check(self) -> None:
+        """Raise unless the lease is held and was renewed less than ``ttl - margin`` ago.
+
+        Raises:
+            LeaseExpiredError: Not held, lost to another daemon, or not renewed in time.
+        """
+        if self._thread is None:
+            raise LeaseExpiredError(f"store {self.name!r}: the lease is not held")
+        if self.lost.is_set():
+            raise LeaseExpiredError(f"store {self.name!r}: another daemon took the lease; "
+                                    f"this daemon stopped writing")
+        age = self.age
+        if age >= self.ttl - self.margin:
+            self.lost.set()
+            raise LeaseExpiredError(
+                f"store {self.name!r}: the lease was last renewed {age:.1f} s ago (ttl {self.ttl:g} s, "
+                f"margin {self.margin:g} s); this daemon stopped writing, since another may hold "
+                f"the store by now")
 
     def _check(self, lease: dict[str, Any] | None, now: float) -> None:
         if lease is None or lease.get("token") == self.token:
@@ -171,6 +217,11 @@ class StoreLease(_Held):
 
     def _renew(self) -> None:
         while not self._stop.wait(self.ttl / 3):
+            if self.age >= self.ttl - self.margin:
+                _log.error("store %r: the lease could not be renewed for %.1f s; stop writing",
+                           self.name, self.age)
+                self.lost.set()
+                return
             try:
                 lease = self._read()
                 if lease is not None and lease.get("token") != self.token:
@@ -193,3 +244,38 @@ class StoreLease(_Held):
             lease = self._read()
             if lease is not None and lease.get("token") == self.token:
                 self.fs.rm_file(self.path)
+
+
+class FencedStore(WrapperStore[Store]):
+    """A zarr store that refuses every write unless ``lease`` is valid (:meth:`StoreLease.check`).
+
+    Wrap the daemon's store in it so that a daemon whose lease lapsed (cut off from the store,
+    stalled) writes nothing more, not even a commit already queued on a writer thread.
+    """
+
+    def __init__(self, store: Store, lease: StoreLease) -> None:
+        super().__init__(store)
+        self.lease = lease
+
+    def _with_store(self, store: Store) -> FencedStore:
+        return type(self)(store, self.lease)
+
+    async def set(self, key: str, value: Buffer) -> None:
+        self.lease.check()
+        await self._store.set(key, value)
+
+    async def set_if_not_exists(self, key: str, value: Buffer) -> None:
+        self.lease.check()
+        await self._store.set_if_not_exists(key, value)
+
+    async def delete(self, key: str) -> None:
+        self.lease.check()
+        await self._store.delete(key)
+
+    async def delete_dir(self, prefix: str) -> None:
+        self.lease.check()
+        await self._store.delete_dir(prefix)
+
+    async def get(self, key: str, prototype: BufferPrototype,
+                  byte_range: ByteRequest | None = None) -> Buffer | None:
+        return await self._store.get(key, prototype, byte_range)

@@ -295,8 +295,10 @@ class RunStore:
 
     def gaps(self, run: str) -> Table:
         """Ranges ``[expected, received)`` the store never received: ``source`` 0 is a gap
-        the transport reported in ``topic``'s wire numbering; ``source`` 1 a range of run
-        sequence numbers a resumed daemon never saw (``topic`` ``""``)."""
+        the transport reported in ``topic``'s wire numbering; the others are ranges of run
+        sequence numbers (``topic`` ``""``): 1 what a resumed daemon never saw (and the
+        episodes then in progress), 2 what was published before a daemon joined the run, 3
+        numbers that never arrived."""
         meta = self.info(run)
         n = int(meta["committed"]["gaps"])
         group = self._group(run, "gaps", n)

@@ -415,7 +415,10 @@ class RunWriter:
             except StoreDamagedError:
                 if n:
                     raise
-                continue  # created after the last commit and never committed: debris
+                # Declared (the run's metadata names it) but its arrays were never all made:
+                # killed in between. Nothing of it is committed: make them afresh.
+                self.create_term(term)
+                continue
             reclaimed += max(0, arrays["_step"].shape[0] - n)
             resize_tail(arrays, n)
             self._open_term(term, arrays)
@@ -534,6 +537,8 @@ class RunStoreWriter:
         try:
             self.root = zarr.open_group(self.store, mode="a")
             info = self.root.attrs.get("worldtap")
+        except OSError:  # disk full, read-only, permissions: the caller says so as it is
+            raise
         except Exception as exc:
             raise StoreFormatError(f"cannot open {location!r} as a zarr v3 group: {exc}") from exc
         if info is None:
@@ -554,6 +559,21 @@ class RunStoreWriter:
     def has_run(self, run: str) -> bool:
         """Whether the store holds a group for run id ``run``."""
         return node_name(run) in child_nodes(self.runs_group)
+
+    def status(self, run: str) -> str | None:
+        """The committed status of ``run`` (``"open"``, ``"complete"``), ``None`` if the store
+        has no such run or nothing of it is committed.
+
+        Raises:
+            StoreDamagedError: The run's group or attributes cannot be read.
+        """
+        if run in self._runs:
+            writer = self._runs[run]
+            with writer.lock:
+                return str(writer.meta.get("status")) if writer.exists else None
+        group = self._group(node_name(run), run)
+        meta = None if group is None else read_meta(group, run)
+        return None if meta is None else str(meta.get("status"))
 
     def _group(self, node: str, run: str) -> zarr.Group | None:
         if node not in child_nodes(self.runs_group):

@@ -30,7 +30,8 @@ EXPORTS: dict[str, set[str]] = {
         "SampleArrays", "SampleTableError", "SampleTable",
     },
     "storage": {
-        "DaemonStatistics", "EpisodeNotFoundError", "EpisodeRows", "ExportMode", "RejectedMessage",
+        "DaemonStatistics", "EpisodeNotFoundError", "EpisodeRows", "ExportMode", "FencedStore",
+        "LeaseExpiredError", "RejectedMessage",
         "RunNotFoundError", "RunStore", "RunStoreWriter", "RunWriter", "StorageError",
         "StoreDaemon", "StoreDamagedError", "StoreFormatError", "StoreLease", "StoreLock", "StoreLockedError", "Table",
         "failed_store_location",

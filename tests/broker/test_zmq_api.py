@@ -3,6 +3,7 @@ msgpack errors into it."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -12,6 +13,7 @@ import zmq
 
 import broker
 from broker import (
+    BrokerClosedError,
     BrokerError,
     SecurityError,
     SendTimeoutError,
@@ -108,3 +110,21 @@ def test_publisher_arguments_are_checked(kwargs: dict[str, Any], error: type[Exc
 def test_subscriber_arguments_are_checked() -> None:
     with pytest.raises(ValueError, match="max_header_size: expected a positive int, got 0"):
         Subscriber("tcp://127.0.0.1:1", max_header_size=0)
+
+
+@pytest.mark.parametrize("bad", ["", "x" * 65, "a/b", "run end", "é", 7])
+def test_subscriber_ids_are_checked(bad: Any) -> None:
+    with pytest.raises(ValueError, match=r"id: expected None or 1 to 64 characters of \[A-Za-z0-9_.-\], got "):
+        Subscriber("tcp://127.0.0.1:1", id=bad)
+
+
+def test_a_subscriber_keeps_the_id_it_is_given() -> None:
+    with Subscriber("tcp://127.0.0.1:1", id="store-1.a_B", confirm_run_ends=False) as sub:
+        assert sub.id == "store-1.a_B"
+        assert sub.confirm_run_ends is False
+    with Subscriber("tcp://127.0.0.1:1") as sub:
+        assert re.fullmatch(r"[0-9a-f]{16}", sub.id)
+        assert sub.confirm_run_ends is True
+        sub.confirm_run_end("never-ended")  # unknown run: nothing to confirm
+    with pytest.raises(BrokerClosedError, match=r"confirm_run_end\('r'\) after close\(\)"):
+        sub.confirm_run_end("r")

@@ -133,6 +133,15 @@ def test_secret_never_printed() -> None:
     ("tcp://127.0.0.1:5555", True), ("tcp://localhost:1", True), ("ipc:///tmp/x", True),
     ("inproc://x", True), ("tcp://[::1]:5", True), ("tcp://0.0.0.0:5555", False), ("tcp://*:5555", False),
     ("tcp://10.0.0.2:5555", False), ("tcp://127.0.0.1:0;10.1.1.1:5555", False),
+    ("tcp://[::1]:5555", True), ("tcp://127.0.0.2:1", True), ("ipc://@abstract", True),
+    ("tcp://10.0.0.2:0;127.0.0.1:5555", True), ("tcp://[::ffff:127.0.0.1]:5555", True),
+    ("tcp://LOCALHOST:1", True),
+    # Names that only start like loopback leave the host:
+    ("tcp://127.0.0.1.attacker.example:5555", False), ("tcp://localhost.attacker.example:5555", False),
+    ("tcp://127.1:5555", False), ("tcp://[::2]:5555", False), ("tcp://lo:5555", False),
+    ("tcp://[::ffff:10.0.0.1]:5555", False), ("udp://127.0.0.1:5555", False),
 ])
 def test_is_loopback(endpoint: str, local: bool) -> None:
+    """The host is parsed as an IP address: ``is_loopback`` used to trust any name starting
+    with ``127.`` (``tcp://127.0.0.1.attacker.example`` counted as loopback)."""
     assert is_loopback(endpoint) is local

@@ -29,6 +29,8 @@ DEVICES = [pytest.param("cpu"), pytest.param("cuda", marks=pytest.mark.cuda)]
         (torch.tensor(4), [4]),
         (torch.tensor([1, 3], dtype=torch.int32), [1, 3]),
         (np.array([5, 0]), [5, 0]),
+        (np.array([5, 0], dtype=">i4"), [5, 0]),
+        (np.arange(6)[::-2], [5, 3, 1]),
         (torch.tensor([True, False, False, True, False, True]), [0, 3, 5]),
         (np.array([False] * N), []),
         ([], []),
@@ -69,6 +71,11 @@ def test_result_lives_on_the_requested_device(device: str) -> None:
         (True, r"worlds: expected world indices or a boolean mask, got the bool True"),
         ("01", r"worlds: expected None, an int, a sequence of ints, .* got str '01'"),
         (2.0, r"got float 2.0"),
+        (slice(None, None, 0), r"worlds: expected a slice of int bounds and a non-zero int step, got slice\(None, None, 0\)"),
+        (slice(0.5, 3), r"worlds: expected a slice of int bounds and a non-zero int step"),
+        (np.array(["1"]), r"worlds: expected an integer or bool array, got dtype <U1"),
+        (np.array([1.0]), r"worlds: expected an integer or bool array, got dtype float64"),
+        (range(10**15), r"worlds: expected world indices in \[0, 6\), got \[6, 7, 8, 9, 10, 11, 12, 13, \.\.\.\]"),
     ],
 )
 def test_rejected_forms_name_the_argument(selector: object, message: str) -> None:

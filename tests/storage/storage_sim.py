@@ -128,6 +128,8 @@ def main() -> None:
     p.add_argument("--gate", default=None, help="after --steps, wait for this file to exist and "
                    "for a subscriber, then publish --steps2 more steps")
     p.add_argument("--steps2", type=int, default=0)
+    p.add_argument("--end-gate", default=None, help="after the run's RunEnd, wait for this file "
+                   "to exist and for a subscriber, then close (which waits for its confirmation)")
     args = p.parse_args()
     broker = Broker()
     pub = ZmqPublisher(args.endpoint, bind=not args.connect, send_timeout=20.0)
@@ -149,8 +151,14 @@ def main() -> None:
             if args.delay:
                 time.sleep(args.delay)
     sim.close()
+    if args.end_gate is not None:
+        print("ended", flush=True)
+        deadline = time.monotonic() + 60.0
+        while not Path(args.end_gate).exists() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        pub.wait_for_subscribers(1, timeout=20.0)
     pub.close()
-    print("published", flush=True)
+    print(f"published {pub.statistics()}", flush=True)
     sys.exit(0)
 
 

@@ -35,6 +35,15 @@ def daemon(spawn: object, store: Path, *extra: str) -> Proc:
     return proc
 
 
+def _wait_status(proc: Proc, *, count: int, timeout: float = 30.0) -> None:
+    """Wait until the daemon has printed ``count`` status lines (it reports every 0.2 s)."""
+    deadline = time.monotonic() + timeout
+    while sum("status episodes=" in line for line in list(proc.err)) < count:
+        assert proc.popen.poll() is None, proc.stderr[-3000:]
+        assert time.monotonic() < deadline, proc.stderr[-3000:]
+        time.sleep(0.02)
+
+
 def check_store(store: Path, *, seed: int, steps: int, worlds: int = 6) -> RunStore:
     """Every committed episode is byte-equal to what the publisher generated."""
     sim = expected_sim(seed, steps, worlds)
@@ -76,7 +85,7 @@ def test_cli_round_trip_and_info_through_entry_point(spawn: object, tmp_path: Pa
     assert "argument --io-threads: expected a positive integer, got '0'" in threads.stderr
 
 
-@pytest.mark.parametrize("seed", [1, 2, 3])
+@pytest.mark.parametrize("seed", [1, 2])
 def test_kill_9_then_resume(spawn: object, tmp_path: Path, seed: int) -> None:
     rng = random.Random(seed)
     steps, steps2 = 600, 100
@@ -86,7 +95,8 @@ def test_kill_9_then_resume(spawn: object, tmp_path: Path, seed: int) -> None:
     store = tmp_path / "runs.zarr"
     first = daemon(spawn, store, "--connect", ep, "--commit-interval", "0.05",
                    "--memory-budget", "8KiB")  # tiny: fragments are in flight when killed
-    time.sleep(rng.uniform(0.4, 1.2))
+    first.wait_line("run 'run-a': started")
+    time.sleep(rng.uniform(0.2, 0.8))  # a random moment of the run (not a wait for readiness)
     first.popen.send_signal(signal.SIGKILL)
     assert first.wait() == -signal.SIGKILL
     before = check_store(store, seed=seed, steps=steps + steps2)  # intact; partial: invisible
@@ -112,7 +122,7 @@ def test_sigterm_commits_and_exits_0(spawn: object, tmp_path: Path) -> None:
     store = tmp_path / "runs.zarr"
     proc = daemon(spawn, store, "--connect", ep, "--commit-interval", "5")
     proc.wait_line("run 'run-a': started")
-    time.sleep(0.8)
+    _wait_status(proc, count=4)  # four status reports into the run (the interval never elapses)
     proc.popen.send_signal(signal.SIGTERM)
     assert proc.wait() == 0, proc.stderr
     line = proc.wait_line("worldtap-store done")
@@ -159,3 +169,30 @@ def test_bad_messages_are_counted_and_skipped(spawn: object, tmp_path: Path) -> 
     line = proc.wait_line("worldtap-store done")
     assert int(line.split("bad=")[1].split()[0]) == 3
     check_store(store, seed=0, steps=80)
+
+
+def test_a_run_end_missed_while_down_is_sent_again_and_finishes_the_run(spawn: object, tmp_path: Path) -> None:
+    """Item 9: the daemon confirmed RunEnd on receipt, and a RunEnd it never stored was lost
+    for good (the run stayed ``open`` forever). Now a daemon confirms a RunEnd only after its
+    commit, under an id that is the same for every daemon on the store: killed mid-run, it
+    misses the rest and the RunEnd; restarted on the same store, the publisher sends it the
+    unconfirmed RunEnd again, and the run ends complete with what it missed recorded."""
+    steps = 300
+    gate = tmp_path / "end-gate"
+    pub, ep = publisher(spawn, "--steps", str(steps), "--delay", "0.004", "--end-gate", str(gate))
+    store = tmp_path / "runs.zarr"
+    first = daemon(spawn, store, "--connect", ep, "--commit-interval", "0.05")
+    first.wait_line("status episodes=", timeout=30)  # it has stored part of the run
+    first.popen.send_signal(signal.SIGKILL)
+    assert first.wait() == -signal.SIGKILL
+    pub.wait_line("ended", stream="out", timeout=60)  # RunEnd published while no daemon ran
+    second = daemon(spawn, store, "--connect", ep, "--exit-after-runs", "1", "--commit-interval", "0.05")
+    gate.touch()
+    assert second.wait() == 0, second.stderr  # it received the RunEnd sent again
+    assert pub.wait() == 0, pub.stderr  # and confirmed it: the publisher's close() succeeded
+    assert "resent_run_ends=0" not in "".join(pub.out)  # the RunEnd went out again
+    reader = check_store(store, seed=0, steps=steps)
+    info = reader.info("run-a")
+    assert info["status"] == "complete"
+    assert info["resumed"] == 1
+    assert len(reader.gaps("run-a")) >= 1  # what it missed while down is recorded

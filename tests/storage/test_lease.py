@@ -102,3 +102,59 @@ def test_the_daemon_locks_directories_and_leases_urls(tmp_path: Path) -> None:
     local = store_locks(build_parser().parse_args([str(tmp_path / "runs.zarr")]))
     assert [type(lock) for lock in local] == [StoreLock]
     assert store_locks(build_parser().parse_args([url, "--export", "none"])) == []
+
+
+def test_a_holder_cut_off_from_the_store_stops_writing_before_its_lease_expires() -> None:
+    """Item: the lease did not fence its holder. A daemon whose renewals fail (cut off from the
+    store) kept writing after its lease expired while another daemon took over. Now every
+    write through its FencedStore is refused once the last renewal is older than ttl - margin,
+    and the store's bytes stay exactly as they were, while a second daemon takes over."""
+    import fsspec
+    import zarr
+    from storage_sim import Sim
+
+    from broker import Broker
+    from storage import FencedStore, LeaseExpiredError, StoreDaemon
+
+    url = _url()
+    lease = StoreLease(url, ttl=1.2).acquire()
+    fs = fsspec.filesystem("memory")
+    base = zarr.storage.FsspecStore.from_url(url)
+    broker = Broker()
+    daemon = StoreDaemon(FencedStore(base, lease), commit_interval=0.0)
+    broker.subscribe("", daemon)
+    sim = Sim(broker, 3, reset_p=0.3)
+    sim.step(10)
+    assert daemon.statistics().episodes_stored > 0
+
+    class CutOff:  # this holder's view of the lease object: renewals fail from now on
+        def __getattr__(self, name: str) -> object:
+            if name in ("pipe_file", "cat_file", "rm_file"):
+                raise ConnectionError("injected: the object store is unreachable")
+            return getattr(fs, name)
+
+    lease.fs = CutOff()  # the store itself still accepts the daemon's writes
+    _wait(lease.lost.is_set, seconds=5)
+    with pytest.raises(LeaseExpiredError, match="stopped writing"):
+        lease.check()
+    root = url.removeprefix("memory://")
+    before = {p: fs.cat_file(p) for p in fs.find(root)}
+    sim.step(20)  # more messages: commits are due every message
+    sim.close()
+    daemon.close()
+    after = {p: fs.cat_file(p) for p in fs.find(root)}
+    assert after == before  # not one byte written after the fence
+    assert daemon.statistics().runs_failed == 1
+    # the lease expires on the store's clock: a second daemon takes over and reads what was committed
+    _wait(lambda: _try(StoreLease(url)), seconds=5)
+    reader = RunStore(url)
+    assert len(reader.episodes("run-a")) > 0
+    lease.release()  # never deletes the new holder's lease
+    assert StoreLease(url)._read() is not None
+
+
+def test_fencing_arguments_are_checked() -> None:
+    with pytest.raises(ValueError, match="margin"):
+        StoreLease(_url(), ttl=3, margin=2.5)
+    with pytest.raises(ValueError, match="ttl"):
+        StoreLease(_url(), ttl=float("nan"))

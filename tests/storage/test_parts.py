@@ -148,3 +148,32 @@ def test_status_log_lines(broker: Broker, caplog: pytest.LogCaptureFixture) -> N
     assert "gaps=1" in caplog.text
     sim.close()
     daemon.close()
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--commit-interval", "nan"], "argument --commit-interval: expected"),
+    (["--commit-interval", "-1"], "argument --commit-interval: expected"),
+    (["--commit-interval", "inf"], "argument --commit-interval: expected"),
+    (["--status-interval", "0"], "argument --status-interval: expected"),
+    (["--lease-ttl", "nan"], "argument --lease-ttl: expected"),
+    (["--idle-timeout", "-5"], "argument --idle-timeout: expected"),
+    (["--hwm", "-1"], "argument --hwm: expected a positive integer, got '-1'"),
+    (["--hwm", "0"], "argument --hwm: expected a positive integer, got '0'"),
+    (["--max-runs", "0"], "argument --max-runs: expected a positive integer"),
+    (["--bind", "tcp://127.0.0.1:99999"], "argument --bind:"),
+    (["--connect", "tcp://127.0.0.1:0"], "argument --connect:"),
+    (["--bind", "ipc:///nonexistent-dir-worldtap/x.sock"], "argument --bind:"),
+])
+def test_bad_option_values_are_usage_errors(argv: list[str], message: str,
+                                            capsys: pytest.CaptureFixture[str]) -> None:
+    """Item 30: ``nan`` and negative intervals were accepted (with ``nan`` nothing was ever
+    committed), ``--hwm -1`` escaped as a raw ZMQError and ``--hwm 0`` meant an unbounded
+    queue, and ``--bind tcp://127.0.0.1:99999`` listened on another port."""
+    from storage.cli import build_parser
+
+    with pytest.raises(SystemExit) as exit_info:
+        build_parser().parse_args(["runs.zarr", *argv])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err
+    assert "Traceback" not in err

@@ -315,3 +315,26 @@ def test_terms_that_require_grad_are_stored_in_process(broker: Broker) -> None:
     for w in range(4):
         got = reader.episode("grad", w, 0)["policy/action"]
         np.testing.assert_array_equal(got, torch.stack([p[w] for p in published]).numpy())
+
+
+def test_zarrs_asynchronous_path_writes_the_same_store(tmp_path: Path) -> None:
+    """The fallback for stores without zarr's synchronous protocols (fsspec URLs, or a zarr
+    that moves them) writes the same chunk bytes as the synchronous path, read back exactly."""
+    from storage import _columns
+
+    stores = {}
+    for enabled in (True, False):
+        _columns.sync_path(enabled)
+        try:
+            broker = Broker()
+            path = tmp_path / f"sync-{enabled}.zarr"
+            sim, _ = run_sim(broker, path, steps=60)
+            arr = zarr.open_array(path / "runs/run-a/data/obs/state", mode="r+")
+            assert (_columns._ChunkEncoder.of(arr) is not None) == (enabled and _columns.SYNC_PATH)
+        finally:
+            _columns.sync_path(True)
+        check_all(RunStore(path), sim)
+        stores[enabled] = {p.relative_to(path): p.read_bytes() for p in sorted(path.rglob("c*"))
+                           if p.is_file() and "/data/" in p.as_posix()}
+    assert stores[True].keys() == stores[False].keys()
+    assert stores[True] == stores[False]
