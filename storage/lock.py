@@ -29,8 +29,8 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, Self
 
+from zarr.abc.buffer import Buffer, BufferPrototype
 from zarr.abc.store import ByteRequest, Store
-from zarr.core.buffer import Buffer, BufferPrototype
 from zarr.storage import WrapperStore
 
 from .errors import LeaseExpiredError, StoreLockedError

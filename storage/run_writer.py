@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -424,29 +424,29 @@ class RunWriter:
             self._open_term(term, arrays)
         for name, cols in (("episodes", EPISODE_COLUMNS), ("segments", SEGMENT_COLUMNS),
                            ("gaps", GAP_COLUMNS)):
-            n = int(committed[name])
-            node = self.group.get(name)
-            if node is None:
-                if n:
-                    raise StoreDamagedError(f"run {self.run!r}: table {name!r} is missing but "
-                                            f"{n} rows are committed")
-                continue
-            tgroup = _as_group(node, f"run {self.run!r} table {name!r}")
-            resize_tail({c: _as_array(tgroup[c], f"run {self.run!r} {name}/{c}")
-                         for c in cols if c in tgroup}, n)
+            self._cut_group(name, f"table {name!r}", "rows", cols, int(committed[name]))
         for key, vmeta in self.meta["variations"].items():
-            n = int(committed["variations"].get(key, 0))
-            node = self.group.get(f"variations/{vmeta['node']}")
-            if node is None:
-                if n:
-                    raise StoreDamagedError(f"run {self.run!r}: variation {key!r} is missing but "
-                                            f"{n} samples are committed")
-                continue
-            vgroup = _as_group(node, f"run {self.run!r} variation {key!r}")
-            resize_tail({c: _as_array(vgroup[c], f"run {self.run!r} variation {key!r} {c}")
-                         for c in ("value", *VAR_COLUMNS) if c in vgroup}, n)
+            self._cut_group(f"variations/{vmeta['node']}", f"variation {key!r}", "samples",
+                            ("value", *VAR_COLUMNS), int(committed["variations"].get(key, 0)))
         reclaimed += self.zero_holes()
         return reclaimed
+
+    def _cut_group(self, path: str, what: str, unit: str, cols: Iterable[str], n: int) -> None:
+        """Cut the columns of the table group at ``path`` to its ``n`` committed rows.
+
+        Raises:
+            StoreDamagedError: The group is missing although ``n`` rows of it are committed.
+        """
+        assert self.group is not None
+        node = self.group.get(path)
+        if node is None:
+            if n:
+                raise StoreDamagedError(f"run {self.run!r}: {what} is missing but {n} {unit} are "
+                                        f"committed")
+            return
+        group = _as_group(node, f"run {self.run!r} {what}")
+        resize_tail({c: _as_array(group[c], f"run {self.run!r} {what} column {c!r}")
+                     for c in cols if c in group}, n)
 
     def zero_holes(self, *, piece: int = 1 << 20) -> int:
         """Delete data chunks that no committed segment references (fragments of episodes

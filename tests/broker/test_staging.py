@@ -7,7 +7,7 @@ import threading
 
 import pytest
 import torch
-import zmq
+from trackers import FakeTracker
 
 from broker import staging
 from broker.staging import StagingRing
@@ -60,21 +60,6 @@ def test_overwriting_the_source_after_staging_changes_nothing_staged() -> None:
     layout, _ = ring.stage(slot, [t])
     t.fill_(-1)
     assert bytes(slot.frame(*layout[0])) == _bits(torch.arange(8, dtype=torch.float32))
-
-
-class FakeTracker:
-    """A :class:`zmq.MessageTracker` whose completion the test decides."""
-
-    def __init__(self) -> None:
-        self.finished = False
-
-    @property
-    def done(self) -> bool:
-        return self.finished
-
-    def wait(self, timeout: float = -1) -> None:
-        if not self.finished:
-            raise zmq.NotDone
 
 
 def test_a_slot_zeromq_still_reads_is_refused_until_its_tracker_is_done() -> None:

@@ -11,30 +11,15 @@ from __future__ import annotations
 import threading
 
 import torch
-import zmq
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from trackers import FakeTracker
 
 from broker.staging import Layout, Slot, StagingRing
 
 SLOTS = 3
 DTYPES = [torch.uint8, torch.int16, torch.int32, torch.float32, torch.float64]
-
-
-class FakeTracker:
-    """``zmq.MessageTracker`` semantics: ``done``, and ``wait(timeout)`` raising ``NotDone``."""
-
-    def __init__(self) -> None:
-        self.finished = False
-
-    @property
-    def done(self) -> bool:
-        return self.finished
-
-    def wait(self, timeout: float = -1) -> None:
-        if not self.finished:
-            raise zmq.NotDone
 
 
 def _tensor(message: int, index: int, count: int, dtype: torch.dtype) -> torch.Tensor:

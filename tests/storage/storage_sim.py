@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
@@ -9,7 +10,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from broker import Broker, VariationSample
+from broker import Broker, Message, VariationSample
 from capture.recorder import Recorder
 from capture.terms import FunctionTerm
 
@@ -88,6 +89,19 @@ class Sim:
 
     def arrays(self, key: tuple[int, int]) -> dict[str, np.ndarray]:
         return {name: np.stack(rows) for name, rows in self.expected[key].items()}
+
+
+def owned(message: Message) -> Message:
+    """A copy of ``message`` that owns its tensors (published tensors are borrowed)."""
+    kw: dict[str, Any] = {}
+    for f in dataclasses.fields(message):
+        value = getattr(message, f.name)
+        if isinstance(value, torch.Tensor):
+            value = value.clone()
+        elif f.name == "fields":
+            value = {k: t.clone() for k, t in value.items()}
+        kw[f.name] = value
+    return type(message)(**kw)
 
 
 def assert_episode_equal(got: dict[str, np.ndarray], want: dict[str, np.ndarray]) -> None:

@@ -35,7 +35,7 @@ import torch
 import zarr
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from storage_sim import Sim, assert_episode_equal
+from storage_sim import Sim, assert_episode_equal, owned
 
 from broker import Batch, Broker, EpisodeEnd, Gap, Message, RunEnd, RunStart, VariationSample
 from storage import RunStore, StoreDaemon
@@ -49,24 +49,11 @@ WORLDS = 3
 Key = tuple[int, int]
 
 
-def _own(message: Message) -> Message:
-    """A copy of ``message`` that owns its tensors (published tensors are borrowed)."""
-    kw: dict[str, Any] = {}
-    for f in dataclasses.fields(message):
-        value = getattr(message, f.name)
-        if isinstance(value, torch.Tensor):
-            value = value.clone()
-        elif f.name == "fields":
-            value = {k: t.clone() for k, t in value.items()}
-        kw[f.name] = value
-    return type(message)(**kw)
-
-
 def record(run: str, seed: int, steps: int) -> tuple[Sim, list[Message]]:
     """A real Recorder run: what it published, and the Sim that remembers every row."""
     got: list[Message] = []
     broker = Broker(strict=True)
-    broker.subscribe("", lambda m: got.append(_own(m)))
+    broker.subscribe("", lambda m: got.append(owned(m)))
     sim = Sim(broker, WORLDS, run=run, seed=seed, reset_p=0.2)
     sim.step(steps)
     sim.close()

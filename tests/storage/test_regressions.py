@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 import torch
 import zarr
-from storage_sim import Sim, assert_episode_equal
+from storage_sim import Sim, assert_episode_equal, owned
 
 from broker import (
     Batch,
@@ -40,25 +40,12 @@ pytestmark = pytest.mark.timeout(120)
 # -- helpers ----------------------------------------------------------------------------------
 
 
-def _own(message: Message) -> Message:
-    """A copy of ``message`` that owns its tensors (published tensors are borrowed)."""
-    kw: dict[str, Any] = {}
-    for f in dataclasses.fields(message):
-        value = getattr(message, f.name)
-        if isinstance(value, torch.Tensor):
-            value = value.clone()
-        elif f.name == "fields":
-            value = {k: t.clone() for k, t in value.items()}
-        kw[f.name] = value
-    return type(message)(**kw)
-
-
 def record(run: str = "run-a", *, worlds: int = 4, steps: int = 30, seed: int = 0,
            reset_p: float = 0.2) -> tuple[Sim, list[Message]]:
     """A real Recorder run: the Sim (which remembers every row) and every message it published."""
     got: list[Message] = []
     broker = Broker(strict=True)
-    broker.subscribe("", lambda m: got.append(_own(m)))
+    broker.subscribe("", lambda m: got.append(owned(m)))
     sim = Sim(broker, worlds, run=run, seed=seed, reset_p=reset_p)
     sim.step(steps)
     sim.close()
