@@ -9,6 +9,7 @@ Private to :mod:`broker.wire`. Every value read from a header is type-checked be
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from types import MappingProxyType
 from typing import Any, Final, cast
@@ -18,7 +19,8 @@ import torch
 from .errors import WireFormatError
 from .messages import Batch, EpisodeEnd, FieldSpec, Hook, Message, Phase, RunEnd, RunStart, VariationSample
 
-__all__ = ["DTYPES", "MAX_BYTES", "MAX_DIMS", "assemble", "fail", "is_count", "shape_error", "shown"]
+__all__ = ["DTYPES", "MAX_BYTES", "MAX_DIMS", "assemble", "check_declaration", "fail",
+           "is_count", "shape_error", "shown"]
 
 DTYPES: Final[Mapping[str, torch.dtype]] = MappingProxyType({
     "bool": torch.bool, "uint8": torch.uint8, "int8": torch.int8, "int16": torch.int16,
@@ -33,6 +35,8 @@ MAX_BYTES: Final = 1 << 62
 receiver derives from a decoded shape comes near int64 overflow."""
 
 _HOOKS: Final = frozenset({"pre_step", "post_step", "pre_reset", "post_reset"})
+_KINDS: Final = ("uniform", "log_uniform", "normal", "choice", "design")
+_NUMERIC_KEYS: Final = ("low", "high", "mean", "std", "weights")
 _PHASES: Final = ("build", "runtime")
 _MAX_DEPTH: Final = 32
 _SHOWN: Final = 200
@@ -129,8 +133,12 @@ def assemble(topic: str, kind: str, head: dict[str, Any], own: dict[str, torch.T
         for name in ("success", "terminated", "truncated"):
             _vector(topic, name, own[name], torch.bool, n)
         _vector(topic, "length", own["length"], torch.int64, n)
+        for name, t in fields.items():
+            if not name or t.dim() != 1 or t.shape[0] != n:
+                raise fail("schema", f"topic {topic!r} outcome {shown(name)}: expected a non-empty name "
+                                     f"and a tensor of shape ({n},), got shape {tuple(t.shape)}")
         return EpisodeEnd(run, seq, step, worlds, own["episodes"], own["success"], own["terminated"],
-                          own["truncated"], own["length"], topic)
+                          own["truncated"], own["length"], topic, outcomes=fields)
     key, phase = head.get("key"), head.get("phase")
     if not isinstance(key, str) or not isinstance(phase, str) or phase not in _PHASES:
         raise fail("header", f"topic {topic!r}: invalid variation key {shown(key)} or phase {shown(phase)}, "
@@ -155,8 +163,76 @@ def _build_run(topic: str, kind: str, head: dict[str, Any], limit: int) -> Messa
         raise fail("header", f"topic {topic!r}: metadata must be a map, got {shown(metadata)}")
     _check_metadata(topic, metadata)
     specs = _schema(topic, head.get("schema"), limit)
-    cls = RunStart if kind == "run_start" else RunEnd
-    return cls(head["run"], head["seq"], head["step"], num_worlds, device, specs, metadata, topic)
+    variations = head.get("variations", ...)
+    if not isinstance(variations, dict):
+        raise fail("header", f"topic {topic!r}: header key 'variations' must map variation keys to "
+                             f"declarations, got {'no such key' if variations is ... else shown(variations)}")
+    for key, decl in variations.items():
+        problem = check_declaration(key, decl)
+        if problem is not None:
+            raise fail("header", f"topic {topic!r}: variation {shown(key)}: {problem}")
+    seed, wall_time = head.get("seed", ...), head.get("wall_time", ...)
+    if seed is not None and (type(seed) is not int or not -(1 << 63) <= seed < 1 << 64):
+        raise fail("header", f"topic {topic!r}: header key 'seed' must be nil or an int, got "
+                             f"{'no such key' if seed is ... else shown(seed)}")
+    if type(wall_time) is not float or not math.isfinite(wall_time) or wall_time < 0:
+        raise fail("header", f"topic {topic!r}: header key 'wall_time' must be a finite float of "
+                             f"seconds >= 0, got {'no such key' if wall_time is ... else shown(wall_time)}")
+    if kind == "run_start":
+        return RunStart(head["run"], head["seq"], head["step"], num_worlds, device, specs, metadata, topic,
+                        variations=variations, seed=seed, wall_time=wall_time)
+    interrupted = head.get("interrupted", ...)
+    if type(interrupted) is not bool:
+        raise fail("header", f"topic {topic!r}: header key 'interrupted' must be a bool, got "
+                             f"{'no such key' if interrupted is ... else shown(interrupted)}")
+    return RunEnd(head["run"], head["seq"], head["step"], num_worlds, device, specs, metadata, topic,
+                  variations=variations, seed=seed, wall_time=wall_time, interrupted=interrupted)
+
+
+def _numbers(value: object, depth: int = 0) -> bool:
+    """Whether ``value`` is a number (int or float, not bool) or a nested list of them."""
+    if isinstance(value, list):
+        return depth < MAX_DIMS and all(_numbers(v, depth + 1) for v in value)
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def check_declaration(key: object, decl: object) -> str | None:
+    """What is wrong with a variation declaration (see ``broker.messages.RunStart``), or ``None``.
+
+    A declaration is a map with str keys holding ``kind`` (one of ``uniform``, ``log_uniform``,
+    ``normal``, ``choice``, ``design``), ``phase`` (``build`` or ``runtime``), ``shape`` (a list
+    of at most :data:`MAX_DIMS` ints >= 0) and ``seed`` (an int); ``low``, ``high``, ``mean``,
+    ``std`` and ``weights``, where present, are nil, a number or a (nested) list of numbers;
+    ``labels``, where present, a list of str/int/float/bool; any other key a plain msgpack value
+    (nil, bool, int, float, str, bytes, lists and str-keyed maps of them).
+    """
+    if not isinstance(key, str) or not key:
+        return f"expected a non-empty str key, got {shown(key)}"
+    if not isinstance(decl, dict) or not all(isinstance(k, str) for k in decl):
+        return f"expected a declaration map with str keys, got {shown(decl)}"
+    kind, phase, shape, seed = (decl.get(k, ...) for k in ("kind", "phase", "shape", "seed"))
+    if not isinstance(kind, str) or kind not in _KINDS:
+        return f"declaration 'kind' must be one of {list(_KINDS)}, got {shown(kind)}"
+    if not isinstance(phase, str) or phase not in _PHASES:
+        return f"declaration 'phase' must be one of {list(_PHASES)}, got {shown(phase)}"
+    if type(shape) is not list or len(shape) > MAX_DIMS or not all(type(d) is int and 0 <= d < 1 << 63
+                                                                  for d in shape):
+        return f"declaration 'shape' must be a list of at most {MAX_DIMS} ints >= 0, got {shown(shape)}"
+    if type(seed) is not int:
+        return f"declaration 'seed' must be an int, got {shown(seed)}"
+    for name in _NUMERIC_KEYS:
+        value = decl.get(name)
+        if value is not None and not _numbers(value):
+            return f"declaration {name!r} must be nil, a number or a list of numbers, got {shown(value)}"
+    labels = decl.get("labels")
+    if labels is not None and not (isinstance(labels, list) and all(
+            isinstance(x, str | int | float | bool) for x in labels)):
+        return f"declaration 'labels' must be a list of str/int/float/bool, got {shown(labels)}"
+    try:
+        _check_metadata("", decl)
+    except WireFormatError:
+        return f"declaration holds a value that is not part of the protocol: {shown(decl)}"
+    return None
 
 
 def _schema(topic: str, schema: object, limit: int) -> dict[str, dict[str, FieldSpec]]:

@@ -24,6 +24,7 @@ __all__ = [
     "FieldSpec",
     "Message",
     "Phase",
+    "RESERVED_OUTCOMES",
     "RunEnd",
     "RunStart",
     "TOPIC_EPISODE_END",
@@ -45,6 +46,13 @@ RUNTIME: Final = "runtime"
 Hook: TypeAlias = Literal["pre_step", "post_step", "pre_reset", "post_reset"]
 
 Label: TypeAlias = str | int | float | bool
+
+RESERVED_OUTCOMES: Final = frozenset({
+    "run", "world", "episode", "index", "success", "terminated", "truncated", "length", "end_step",
+    "end_seq", "segments", "segment_start", "segment_count",
+})
+"""Names an :attr:`EpisodeEnd.outcomes` entry may not have: the columns that episode tables (the
+store's, the (X, Y) table's) already hold. Receivers reject an outcome named so."""
 
 
 def batch_topic(term: str) -> str:
@@ -92,6 +100,9 @@ class EpisodeEnd:
         episodes: The index of the episode that ended, per world.
         success, terminated, truncated: 1-D bool tensors, per world.
         length: 1-D int64 tensor, number of steps in the episode, per world.
+        outcomes: (keyword only) Extra numeric episode outcomes, name -> 1-D numeric (bool, integer or float)
+            tensor of ``len(worlds)`` values, e.g. ``{"return": ...}``; names are non-empty and
+            not in :data:`RESERVED_OUTCOMES`. Borrowed.
     """
 
     run: str
@@ -103,6 +114,7 @@ class EpisodeEnd:
     terminated: torch.Tensor
     truncated: torch.Tensor
     length: torch.Tensor
+    outcomes: Mapping[str, torch.Tensor] = field(default_factory=dict, kw_only=True)
     topic: str = TOPIC_EPISODE_END
 
 
@@ -148,6 +160,12 @@ class RunStart:
         schema: Topic -> field -> spec (each a :class:`broker.TopicSchema`'s ``fields``), for the
             topics known when the run started.
         metadata: User metadata (msgpack-able values only).
+        variations, seed, wall_time: Keyword only.
+        variations: Variation key -> declaration (a msgpack-able dict: ``kind``, ``phase``,
+            ``shape``, ``seed`` and, where they apply, ``low``/``high``, ``mean``/``std``,
+            ``labels``/``weights``), for the variations declared so far.
+        seed: The run seed the variations' default seeds derive from, or ``None``.
+        wall_time: Unix seconds when the message was made (:func:`time.time`).
     """
 
     run: str
@@ -157,12 +175,20 @@ class RunStart:
     device: str
     schema: Mapping[str, Mapping[str, FieldSpec]] = field(default_factory=dict)
     metadata: Mapping[str, Any] = field(default_factory=dict)
+    variations: Mapping[str, Mapping[str, Any]] = field(default_factory=dict, kw_only=True)
+    seed: int | None = field(default=None, kw_only=True)
+    wall_time: float = field(default=0.0, kw_only=True)
     topic: str = TOPIC_RUN_START
 
 
 @dataclass(frozen=True, slots=True, eq=False)
 class RunEnd:
-    """The end of a run (published on ``run/end``), with the schema of every topic seen."""
+    """The end of a run (published on ``run/end``), with the schema of every topic seen.
+
+    Its fields are :class:`RunStart`'s; ``variations`` repeats every declaration of the run
+    (a superset of RunStart's) and ``wall_time`` is when the run ended. ``interrupted``: the
+    run stopped before it was meant to (the store marks it ``interrupted``, not ``complete``).
+    """
 
     run: str
     seq: int
@@ -171,6 +197,10 @@ class RunEnd:
     device: str
     schema: Mapping[str, Mapping[str, FieldSpec]] = field(default_factory=dict)
     metadata: Mapping[str, Any] = field(default_factory=dict)
+    variations: Mapping[str, Mapping[str, Any]] = field(default_factory=dict, kw_only=True)
+    seed: int | None = field(default=None, kw_only=True)
+    wall_time: float = field(default=0.0, kw_only=True)
+    interrupted: bool = field(default=False, kw_only=True)
     topic: str = TOPIC_RUN_END
 
 

@@ -8,8 +8,11 @@ Layout (protocol version 1):
   version), ``kind``, ``run``, ``seq``, ``step``, ``pub`` (publisher id), ``n`` (wire number of the
   message within its ``(pub, run, topic)`` stream), ``tensors`` (the message's own tensors as
   ``[name, dtype, shape, frame index]``), then the kind's own keys (``fields`` for batches, in
-  the same four-item form; ``key``/``phase``/``labels`` for variations; ``num_worlds``/``device``/
-  ``schema``/``metadata`` for run messages, plus ``streams`` on ``run/end``).
+  the same four-item form; ``outcomes`` for episode ends, in that form too: each outcome's
+  tensor follows the six flag and count tensors; ``key``/``phase``/``labels`` for variations;
+  ``num_worlds``/``device``/``schema``/``metadata``/``variations``/``seed``/``wall_time`` for run
+  messages, plus ``interrupted`` and ``streams`` on ``run/end``). Every key of a kind is always written: a missing
+  one is malformed, never read as a default.
 - ``frame_i``: raw little-endian bytes of tensor ``i`` (C order; ``bfloat16`` as its raw 16 bits,
   ``bool`` as one byte 0 or 1).
 
@@ -109,6 +112,8 @@ _OWN: Final[Mapping[str, tuple[str, ...]]] = {
     "variation": ("worlds", "episodes", "value"),
     "run_start": (), "run_end": (),
 }
+_NAMED: Final[Mapping[str, str]] = {"batch": "fields", "episode_end": "outcomes"}
+"""Header key of the named tensors (after the own ones) of the kinds that have them."""
 
 Spec = tuple[str, str, tuple[int, ...]]
 """``(name, dtype name, shape)`` of one tensor on the wire."""
@@ -133,12 +138,18 @@ class Decoded:
 
 
 def message_tensors(message: Message) -> tuple[list[tuple[str, torch.Tensor]], list[tuple[str, torch.Tensor]]]:
-    """The message's own tensors and (for batches) its fields, in frame order. Borrowed."""
+    """The message's own tensors and its named tensors (a batch's fields, an episode end's
+    outcomes), in frame order. Borrowed."""
     if isinstance(message, RunStart | RunEnd):
         return [], []
     own = [(name, getattr(message, name)) for name in _OWN[_KINDS[type(message)]]]
-    fields = list(message.fields.items()) if isinstance(message, Batch) else []
-    return own, fields
+    if isinstance(message, Batch):
+        named = list(message.fields.items())
+    elif isinstance(message, EpisodeEnd):
+        named = list(message.outcomes.items())
+    else:
+        named = []
+    return own, named
 
 
 def tensor_spec(topic: str, name: str, tensor: torch.Tensor) -> Spec:
@@ -166,7 +177,7 @@ def encode_header(
     streams: Mapping[str, int] | None = None,
 ) -> bytes:
     """The msgpack header of ``message`` whose tensors have the given specs (frame order: own
-    tensors, then fields).
+    tensors, then fields: a batch's fields or an episode end's outcomes).
 
     Raises:
         WireFormatError: (reason ``"encode"``) a value msgpack cannot carry, e.g. metadata, or
@@ -182,6 +193,8 @@ def encode_header(
     if isinstance(message, Batch):
         head["fields"] = _entries(fields, len(own))
         head["hook"] = message.hook
+    elif isinstance(message, EpisodeEnd):
+        head["outcomes"] = _entries(fields, len(own))
     elif isinstance(message, VariationSample):
         head["key"] = message.key
         head["phase"] = message.phase
@@ -191,7 +204,12 @@ def encode_header(
         head["device"] = message.device
         head["schema"] = {t: {f: s.to_dict() for f, s in fs.items()} for t, fs in message.schema.items()}
         head["metadata"] = dict(message.metadata)
+        head["variations"] = _plain(message.variations)
+        head["seed"] = message.seed
+        wall: Any = message.wall_time  # always a float on the wire (receivers take nothing else)
+        head["wall_time"] = float(wall) if isinstance(wall, int | float) and not isinstance(wall, bool) else wall
         if isinstance(message, RunEnd):
+            head["interrupted"] = message.interrupted
             head["streams"] = dict(streams or {})
     try:
         header: bytes = msgpack.packb(head, use_bin_type=True, strict_types=False)
@@ -209,6 +227,18 @@ def encode_header(
             raise _fail("encode", f"topic {message.topic!r}: receivers would reject this message "
                                   f"({exc.reason}): {exc}") from exc
     return header
+
+
+def _plain(value: Any, depth: int = 0) -> Any:
+    """``value`` with every mapping a dict and every tuple a list (what msgpack packs and a
+    receiver gets back); anything else as it is, for msgpack and the receivers' checks to judge."""
+    if depth > 64:
+        return value
+    if isinstance(value, Mapping):
+        return {k: _plain(v, depth + 1) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_plain(v, depth + 1) for v in value]
+    return value
 
 
 def _frame(tensor: torch.Tensor) -> memoryview:
@@ -292,7 +322,8 @@ def decode_envelope(
     payload = views[2:]
     limit = min(max_message_size, MAX_BYTES)
     own_specs = _specs(topic, head, "tensors", limit)
-    field_specs = _specs(topic, head, "fields", limit) if kind == "batch" else []
+    named_key = _NAMED.get(kind)
+    field_specs = _specs(topic, head, named_key, limit) if named_key is not None else []
     specs = own_specs + field_specs
     if [s[0] for s in own_specs] != list(_OWN[kind]):
         raise _fail("schema", f"topic {topic!r}: expected tensors {list(_OWN[kind])} for kind "
@@ -309,7 +340,8 @@ def decode_envelope(
     own = {name: t for (is_own, name), t in tensors.items() if is_own}
     fields = {name: t for (is_own, name), t in tensors.items() if not is_own}
     if len(fields) != len(field_specs):
-        raise _fail("schema", f"topic {topic!r}: duplicate field names {shown([s[0] for s in field_specs])}")
+        raise _fail("schema", f"topic {topic!r}: duplicate {named_key} names "
+                              f"{shown([s[0] for s in field_specs])}")
     message = assemble(topic, kind, head, own, fields, limit)
     streams = head.get("streams") if kind == "run_end" else {}
     if not isinstance(streams, dict) or not all(

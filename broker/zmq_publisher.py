@@ -631,8 +631,10 @@ class ZmqPublisher:
             for run, (start, seq, step) in list(self._runs.items()):
                 info = start or RunStart(run, 0, step, 0, "")
                 try:
+                    # The run's own RunEnd never came: it ends here, before its publisher meant it to.
                     self._forward(RunEnd(run, seq + 1, step, info.num_worlds, info.device, info.schema,
-                                         info.metadata))
+                                         info.metadata, variations=info.variations, seed=info.seed,
+                                         wall_time=time.time(), interrupted=True))
                 except BrokerError as exc:
                     self._fail(exc)
         flush = self.send_timeout if timeout is None else timeout

@@ -1,5 +1,6 @@
-"""worldtap.capture: the producer side (recorder, terms, selectors, variations)."""
+"""worldtap.capture: the producer side (recorder, terms, selectors, variations, gymnasium)."""
 
+from .cartpole import CartPoleRandomizer
 from .errors import (
     CaptureError,
     RecorderClosedError,
@@ -8,16 +9,19 @@ from .errors import (
     TermError,
     VariationError,
 )
+from .gymnasium import RecordingVectorEnv
 from .recorder import Recorder
 from .selectors import WorldSelector, normalize_worlds
 from .terms import FieldTree, FunctionTerm, Term, flatten_fields
 
 __all__ = [
     "CaptureError",
+    "CartPoleRandomizer",
     "FieldTree",
     "FunctionTerm",
     "Recorder",
     "RecorderClosedError",
+    "RecordingVectorEnv",
     "SchemaError",
     "SelectorError",
     "Term",

@@ -38,5 +38,7 @@ class RecorderClosedError(CaptureError, RuntimeError):
 
 
 class VariationError(CaptureError, ValueError):
-    """A variation's configuration or one of its draws was invalid (bad bounds, choices or
-    labels, a duplicate key, a draw whose size does not match its worlds, a late build draw)."""
+    """A variation's configuration or one of its draws was invalid (bad bounds, choices,
+    labels or design, a duplicate key, a draw whose size does not match its worlds, a late
+    build draw, a runtime draw in the middle of an episode, an exhausted design, a re-seed
+    after draws)."""

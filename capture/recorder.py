@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import copy
 import itertools
+import numbers
+import time
 import uuid
 from collections.abc import Mapping
 from types import MappingProxyType, TracebackType
 from typing import Any
 
+import numpy as np
 import torch
 
 from broker import (
@@ -29,6 +33,11 @@ from .selectors import WorldSelector, normalize_worlds
 from .terms import HOOKS, flatten_fields
 
 __all__ = ["Recorder"]
+
+_NUMERIC = frozenset({
+    torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
+    torch.float16, torch.bfloat16, torch.float32, torch.float64,
+})
 
 
 class Recorder:
@@ -52,12 +61,21 @@ class Recorder:
     Call ``close()`` at the end of a run: it publishes :class:`broker.RunEnd`, which tells the
     storage daemon the run is complete.
 
+    Variations: ``declare_variation`` (called by ``VariationRecorder.attach``) registers each
+    variation's declaration; ``RunStart`` carries those declared before it, and ``RunEnd``
+    repeats every declaration of the run, so one declared after the run started (an attach
+    after the first record call) travels in ``RunEnd`` only; the storage keeps ``RunEnd``'s.
+    Both messages carry the run ``seed`` (the variations' default seeds derive from it) and
+    their wall-clock time (``time.time()``).
+
     Args:
         num_worlds: Number of parallel worlds.
         device: Device of the simulator's tensors.
         broker: Where to publish; a private strict-less broker is created when omitted.
         run: Run id; a random hex id when omitted.
         metadata: User metadata for ``RunStart`` (msgpack-able values only if sent over ZeroMQ).
+        seed: The run seed, in ``[0, 2**64)``, recorded with the run; variations without a
+            seed of their own derive theirs from it and their key.
     """
 
     def __init__(
@@ -68,9 +86,13 @@ class Recorder:
         *,
         run: str | None = None,
         metadata: Mapping[str, Any] | None = None,
+        seed: int = 0,
     ) -> None:
         if isinstance(num_worlds, bool) or not isinstance(num_worlds, int) or num_worlds <= 0:
             raise ValueError(f"num_worlds: expected a positive int, got {num_worlds!r}")
+        if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**64:
+            raise ValueError(f"seed: expected an int in [0, 2**64), got {seed!r}")
+        self.seed = seed
         self.num_worlds = num_worlds
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:
@@ -81,6 +103,7 @@ class Recorder:
         self._terms: dict[str, object] = {}
         self._hooks: dict[str, list[tuple[str, Any]]] = {hook: [] for hook in HOOKS}
         self._schemas: dict[str, TopicSchema] = {}
+        self._variations: dict[str, dict[str, Any]] = {}
         self._all = torch.arange(num_worlds, device=self.device, dtype=torch.int64)
         self._episode = torch.zeros(num_worlds, device=self.device, dtype=torch.int64)
         self._length = torch.zeros(num_worlds, device=self.device, dtype=torch.int64)
@@ -114,6 +137,32 @@ class Recorder:
     def terms(self) -> Mapping[str, object]:
         return MappingProxyType(self._terms)
 
+    def declare_variation(self, key: str, declaration: Mapping[str, Any]) -> None:
+        """Register the declaration of variation ``key`` (sampler kind, phase, shape, seed,
+        bounds or labels; a msgpack-able mapping), replacing an earlier one of that key.
+
+        It travels in ``RunStart`` if the run has not started yet, and in ``RunEnd`` always
+        (the last declaration of each key).
+
+        Raises:
+            ValueError: ``key`` is empty or contains whitespace, or ``declaration`` is not a
+                mapping with str keys.
+            RecorderClosedError: The recorder is closed.
+        """
+        self._ensure_open()
+        if not isinstance(key, str) or not key or any(c.isspace() for c in key):
+            raise ValueError(f"key: expected a non-empty variation key without whitespace, got {key!r}")
+        if not isinstance(declaration, Mapping) or not all(isinstance(k, str) for k in declaration):
+            raise ValueError(
+                f"declaration of {key!r}: expected a mapping with str keys, got {declaration!r}"
+            )
+        self._variations[key] = copy.deepcopy(dict(declaration))
+
+    @property
+    def variations(self) -> dict[str, dict[str, Any]]:
+        """Variation key -> declaration, for every declaration so far (a deep copy)."""
+        return copy.deepcopy(self._variations)
+
     # -- state ---------------------------------------------------------------------------
 
     @property
@@ -138,6 +187,11 @@ class Recorder:
     def episodes_of(self, worlds: torch.Tensor) -> torch.Tensor:
         """The current episode index of each world in the normalized index tensor ``worlds``."""
         return self._episode.index_select(0, worlds)
+
+    def lengths_of(self, worlds: torch.Tensor) -> torch.Tensor:
+        """The current episode length (steps) of each world in the normalized index tensor
+        ``worlds``."""
+        return self._length.index_select(0, worlds)
 
     def select(self, worlds: WorldSelector, *, name: str = "worlds") -> torch.Tensor:
         """Normalize a world selector (see :mod:`capture.selectors`) on this recorder's device."""
@@ -169,18 +223,34 @@ class Recorder:
         self._started = True
         self.broker.publish(
             RunStart(self.run, self.next_seq(), self._step, self.num_worlds, str(self.device),
-                     self.schema(), self.metadata)
+                     self.schema(), self.metadata, variations=self.variations, seed=self.seed,
+                     wall_time=time.time())
         )
 
     def record_pre_step(self) -> None:
         """Run every term's ``pre_step`` hook and publish the results."""
         self._run_hook("pre_step", None)
 
-    def record_post_step(self) -> None:
-        """Run every term's ``post_step`` hook, publish the results, then advance the step."""
-        self._run_hook("post_step", None)
+    def record_post_step(self, worlds: WorldSelector = None) -> None:
+        """Run every term's ``post_step`` hook, publish the results, then advance the step.
+
+        Args:
+            worlds: The worlds that took this step (default: all). Only their rows of each
+                term's batch are published and only their episode lengths advance; the others
+                did not step in an episode (a vectorized environment that resets a world
+                inside a step, gymnasium's ``NEXT_STEP`` autoreset, is the common case). The
+                hooks still return every world's rows.
+        """
+        if worlds is None:
+            self._run_hook("post_step", None)
+            self._length.add_(1)
+        else:
+            idx = self.select(worlds)
+            self._ensure_open()
+            if idx.numel():
+                self._run_hook("post_step", None, rows=idx)
+                self._length.index_add_(0, idx, torch.ones_like(idx))
         self._step += 1
-        self._length.add_(1)
 
     def record_pre_reset(
         self,
@@ -188,6 +258,8 @@ class Recorder:
         success: torch.Tensor | bool | None = None,
         terminated: torch.Tensor | bool | None = None,
         truncated: torch.Tensor | bool | None = None,
+        *,
+        outcomes: Mapping[str, object] | None = None,
     ) -> torch.Tensor:
         """End the current episode of ``worlds``.
 
@@ -197,8 +269,18 @@ class Recorder:
         selector's order) or ``num_worlds`` (indexed by world); ``None`` is False. When every
         world is selected the two lengths agree and the flags are read in the selector's order.
 
+        ``outcomes`` maps a name (non-empty, no ``/`` or whitespace) to extra numeric episode
+        outcomes (e.g. ``{"return": returns}``): a number for every selected world, or a 1-D
+        numeric (bool, integer or float) tensor, numpy array or sequence of length
+        ``len(worlds)`` or ``num_worlds``, read like the flags. They are published in
+        ``EpisodeEnd.outcomes`` as new float64 tensors on the recorder's device.
+
         Returns:
             The normalized world index tensor (empty selections record nothing).
+
+        Raises:
+            ValueError: A flag or an outcome has the wrong type, dtype or length, or an
+                outcome's name is invalid; the episode does not end then.
         """
         idx = self.select(worlds)
         self._ensure_open()
@@ -208,11 +290,12 @@ class Recorder:
             self.start()
         flags = [self._flag(v, idx, n) for v, n in ((success, "success"), (terminated, "terminated"),
                                                      (truncated, "truncated"))]
+        extra = self._outcomes(outcomes, idx)
         self._run_hook("pre_reset", idx)
         episodes = self._episode.index_select(0, idx)
         self.broker.publish(
             EpisodeEnd(self.run, self.next_seq(), self._step, idx, episodes, flags[0], flags[1],
-                       flags[2], self._length.index_select(0, idx))
+                       flags[2], self._length.index_select(0, idx), outcomes=extra)
         )
         self._episode.index_add_(0, idx, torch.ones_like(idx))
         self._length.index_fill_(0, idx, 0)
@@ -225,16 +308,25 @@ class Recorder:
             self._run_hook("post_reset", idx)
         return idx
 
-    def close(self) -> None:
+    def close(self, *, interrupted: bool = False) -> None:
         """Publish ``RunEnd`` (with the schema of every topic seen) and stop recording.
-        Idempotent. The broker is not closed: it belongs to whoever passed it in."""
+        Idempotent. The broker is not closed: it belongs to whoever passed it in.
+
+        Args:
+            interrupted: The run stopped before it was meant to (Ctrl-C, an error): the store
+                marks it ``interrupted`` rather than ``complete``. Leaving a ``with`` block on an
+                exception closes it so.
+        """
         if self._closed:
             return
+        if not isinstance(interrupted, bool):
+            raise TypeError(f"interrupted: expected a bool, got {interrupted!r}")
         if not self._started:
             self.start()
         self.broker.publish(
             RunEnd(self.run, self.next_seq(), self._step, self.num_worlds, str(self.device),
-                   self.schema(), self.metadata)
+                   self.schema(), self.metadata, variations=self.variations, seed=self.seed,
+                   wall_time=time.time(), interrupted=interrupted)
         )
         self._closed = True
 
@@ -244,7 +336,7 @@ class Recorder:
     def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
-        self.close()
+        self.close(interrupted=exc_type is not None)
 
     # -- internals -----------------------------------------------------------------------
 
@@ -270,7 +362,51 @@ class Recorder:
             value = value.index_select(0, idx)
         return value.clone()
 
-    def _run_hook(self, hook: Hook, idx: torch.Tensor | None) -> None:
+    def _outcomes(self, outcomes: Mapping[str, object] | None, idx: torch.Tensor) -> dict[str, torch.Tensor]:
+        if outcomes is None:
+            return {}
+        if not isinstance(outcomes, Mapping):
+            raise ValueError(f"outcomes: expected a mapping of name -> values, got {outcomes!r}")
+        return {self._outcome_name(name): self._outcome(name, value, idx)
+                for name, value in outcomes.items()}
+
+    @staticmethod
+    def _outcome_name(name: object) -> str:
+        if not isinstance(name, str) or not name or "/" in name or any(c.isspace() for c in name):
+            raise ValueError(
+                f"outcomes: expected names that are non-empty strings without '/' or whitespace, "
+                f"got {name!r}"
+            )
+        return name
+
+    def _outcome(self, name: str, value: object, idx: torch.Tensor) -> torch.Tensor:
+        n = idx.numel()
+        expected = (f"outcomes[{name!r}]: expected a number, or a 1-D numeric tensor or array of "
+                    f"length {n} or {self.num_worlds}")
+        if isinstance(value, numbers.Real):  # bool, int, float, numpy scalars
+            return torch.full((n,), float(value), dtype=torch.float64, device=self.device)
+        if not isinstance(value, torch.Tensor):
+            try:
+                array = np.asarray(value)  # arrays and sequences; strings and objects fail below
+            except (TypeError, ValueError) as exc:  # ragged sequences
+                raise ValueError(f"{expected}, got {value!r}") from exc
+            if array.dtype.kind not in "biuf":
+                raise ValueError(f"{expected}, got {type(value).__name__} of dtype {array.dtype}")
+            value = torch.from_numpy(np.array(array, dtype=np.float64))
+        if value.dtype not in _NUMERIC:
+            raise ValueError(f"{expected}, got a tensor of dtype {value.dtype}")
+        if value.dim() == 0:
+            return torch.full((n,), float(value), dtype=torch.float64, device=self.device)
+        if value.dim() != 1 or value.shape[0] not in (n, self.num_worlds):
+            raise ValueError(f"{expected}, got shape {tuple(value.shape)}")
+        value = value.detach().to(device=self.device, dtype=torch.float64, copy=True)
+        if value.shape[0] == self.num_worlds and n != self.num_worlds:
+            value = value.index_select(0, idx)
+        return value
+
+    def _run_hook(self, hook: Hook, idx: torch.Tensor | None, *, rows: torch.Tensor | None = None) -> None:
+        """Run ``hook`` of every term (called with ``idx`` for reset hooks) and publish each
+        batch; ``rows``: publish only these worlds' rows of the (every-world) batches."""
         calls = self._hooks[hook]
         if not calls:
             return
@@ -289,10 +425,13 @@ class Recorder:
                 continue
             topic = batch_topic(name)
             self._check(topic, fields, n)
+            if rows is not None:
+                fields = {f: t.index_select(0, rows) for f, t in fields.items()}
             if episodes is None:
-                episodes = self._episode if idx is None else self._episode.index_select(0, idx)
-            self.broker.publish(Batch(self.run, self.next_seq(), self._step, topic, worlds,
-                                      episodes, fields, hook))
+                at = idx if rows is None else rows
+                episodes = self._episode if at is None else self._episode.index_select(0, at)
+            self.broker.publish(Batch(self.run, self.next_seq(), self._step, topic,
+                                      worlds if rows is None else rows, episodes, fields, hook))
 
     def _check(self, topic: str, fields: dict[str, torch.Tensor], n: int) -> None:
         """Check a term's batch: leading worlds dimension and device (:class:`TermError`), then

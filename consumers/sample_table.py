@@ -1,7 +1,11 @@
 """SampleTable: joins variation samples with episode outcomes into an (X, Y) table.
 
 One row per finished episode: ``(run, world, episode, factor values..., success, terminated,
-truncated, length)``, the table a sensitivity analysis takes. It depends only on the broker's
+truncated, length, outcomes...)``, the table a sensitivity analysis takes: the extra numeric
+outcomes of ``EpisodeEnd.outcomes`` (e.g. ``return``) are Y columns after the four fixed ones,
+sorted by name, NaN for the episodes whose ``EpisodeEnd`` lacked them. The variation
+declarations of ``RunStart`` and ``RunEnd`` (sampler kind, bounds, seed) are kept per run
+(:meth:`SampleTable.declarations`), so a live analysis knows each factor's bounds. It depends only on the broker's
 message types, so it works in process (tensors on any device) and on messages a remote
 subscriber decoded from the wire (CPU tensors) alike.
 
@@ -18,20 +22,30 @@ borrowed from a message is kept.
 from __future__ import annotations
 
 import importlib
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
-from broker import Broker, EpisodeEnd, Message, RunEnd, Subscription, VariationSample
-from broker.messages import BUILD
+from broker import Broker, EpisodeEnd, Message, RunEnd, RunStart, Subscription, VariationSample
+from broker.messages import BUILD, RESERVED_OUTCOMES
 
 from .errors import SampleTableError
 
 __all__ = ["OUTCOME_COLUMNS", "SampleArrays", "SampleTable"]
 
 OUTCOME_COLUMNS = ("success", "terminated", "truncated", "length")
+
+
+def _copy(value: Any) -> Any:
+    """A deep, plain copy of a declaration (mappings as dicts, tuples as lists)."""
+    if isinstance(value, Mapping):
+        return {k: _copy(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_copy(v) for v in value]
+    return value
 
 
 def _host(t: torch.Tensor) -> np.ndarray:
@@ -47,7 +61,8 @@ class SampleArrays:
         run, world, episode: The episode keys, shape ``(rows,)``.
         x: float64 factors, shape ``(rows, len(x_columns))``; NaN where a factor is missing;
             categorical factors give their codes.
-        y: float64 outcomes (``success``, ``terminated``, ``truncated`` as 0/1, ``length``).
+        y: float64 outcomes (``success``, ``terminated``, ``truncated`` as 0/1, ``length``, then
+            the extra outcomes, sorted by name; NaN where an episode lacks one).
         x_columns, y_columns: Column names of ``x`` and ``y``.
         labels: Categorical key -> object array of labels (``None`` where missing).
     """
@@ -104,6 +119,7 @@ class _Chunk:
     world: np.ndarray
     episode: np.ndarray
     outcomes: np.ndarray
+    extra: dict[str, np.ndarray]
     values: dict[str, np.ndarray]
     labels: dict[str, np.ndarray]
 
@@ -111,12 +127,16 @@ class _Chunk:
 class SampleTable:
     """A broker consumer joining ``VariationSample`` and ``EpisodeEnd`` messages into rows.
 
-    Subscribe it with :meth:`attach` (or to ``variation/`` and ``episode/`` yourself); other
-    messages are ignored, except ``RunEnd``, which frees that run's join state.
+    Subscribe it with :meth:`attach` (or to ``variation/``, ``episode/`` and ``run/``
+    yourself). ``RunStart`` and ``RunEnd`` give the run's variation declarations (a
+    ``RunEnd``'s replace the earlier ones key by key); ``RunEnd`` also frees that run's join
+    state. Batches are ignored.
 
     Raises (from the delivery call):
-        SampleTableError: A sample's value does not match its worlds, or a key changes its
-            per-world shape or switches between categorical and numeric.
+        SampleTableError: A sample's value does not match its worlds, a key changes its
+            per-world shape or switches between categorical and numeric, or an outcome is not
+            a 1-D numeric tensor of one value per world or has a reserved name
+            (:data:`broker.messages.RESERVED_OUTCOMES`).
     """
 
     name = "sample-table"
@@ -127,20 +147,52 @@ class SampleTable:
         self._capacity: dict[str, int] = {}
         self._chunks: list[_Chunk] = []
         self._rows = 0
+        self._outcomes: set[str] = set()
+        self._declarations: dict[str, dict[str, dict[str, Any]]] = {}
+        self._seeds: dict[str, int | None] = {}
 
     def attach(self, broker: Broker) -> list[Subscription]:
-        """Subscribe to ``variation/`` and ``episode/`` on ``broker``."""
+        """Subscribe to ``variation/``, ``episode/`` and ``run/`` on ``broker``."""
         return [broker.subscribe("variation/", self, name=self.name),
-                broker.subscribe("episode/", self, name=self.name)]
+                broker.subscribe("episode/", self, name=self.name),
+                broker.subscribe("run/", self, name=self.name)]
 
     def __call__(self, message: Message) -> None:
         if isinstance(message, VariationSample):
             self._sample(message)
         elif isinstance(message, EpisodeEnd):
             self._end(message)
-        elif isinstance(message, RunEnd):
-            self._runs.pop(message.run, None)
-            self._capacity.pop(message.run, None)
+        elif isinstance(message, RunStart | RunEnd):
+            self._declare(message)
+            if isinstance(message, RunEnd):
+                self._runs.pop(message.run, None)
+                self._capacity.pop(message.run, None)
+
+    def _declare(self, message: RunStart | RunEnd) -> None:
+        declared = self._declarations.setdefault(message.run, {})
+        for key, decl in message.variations.items():
+            declared[key] = _copy(decl)
+        if message.seed is not None or message.run not in self._seeds:
+            self._seeds[message.run] = message.seed
+
+    def declarations(self, run: str | None = None) -> dict[str, dict[str, Any]]:
+        """Variation key -> declaration (``kind``, ``phase``, ``shape``, ``seed``, ``low``/
+        ``high``, ...) of ``run``, as its ``RunStart``/``RunEnd`` declared them (owned copies);
+        with ``run=None``, those of every run (a later run's declaration of a key wins)."""
+        runs = [run] if run is not None else list(self._declarations)
+        out: dict[str, dict[str, Any]] = {}
+        for r in runs:
+            out.update({k: _copy(d) for k, d in self._declarations.get(r, {}).items()})
+        return out
+
+    @property
+    def variations(self) -> dict[str, dict[str, Any]]:
+        """The declarations of every run seen (see :meth:`declarations`)."""
+        return self.declarations()
+
+    def seed(self, run: str) -> int | None:
+        """The run seed ``run``'s ``RunStart``/``RunEnd`` gave (``None`` if none or unseen)."""
+        return self._seeds.get(run)
 
     # -- joining -------------------------------------------------------------------------
 
@@ -207,6 +259,16 @@ class SampleTable:
         outcomes = np.stack([_host(t).astype(np.float64).reshape(n) for t in
                              (message.success, message.terminated, message.truncated,
                               message.length)], axis=1)
+        extra: dict[str, np.ndarray] = {}
+        for name, t in message.outcomes.items():
+            if not isinstance(name, str) or not name or name in RESERVED_OUTCOMES:
+                raise SampleTableError(f"topic {message.topic!r}: outcome name {name!r:.80} must be a "
+                                       f"non-empty str not in {sorted(RESERVED_OUTCOMES)}")
+            if not isinstance(t, torch.Tensor) or t.dim() != 1 or t.shape[0] != n or t.is_complex():
+                got = f"{t.dtype} of shape {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
+                raise SampleTableError(f"topic {message.topic!r}: outcome {name!r}: expected a 1-D "
+                                       f"numeric tensor of {n} values, got {got}")
+            extra[name] = t.detach().to("cpu", torch.float64).numpy().copy()
         values: dict[str, np.ndarray] = {}
         labels: dict[str, np.ndarray] = {}
         capacity = self._capacity.get(message.run, 0)
@@ -220,7 +282,8 @@ class SampleTable:
                 label = np.where(current, state.label[at], state.build_label[at])
                 label[~known] = None
                 labels[key] = label
-        self._chunks.append(_Chunk(message.run, worlds, episodes, outcomes, values, labels))
+        self._chunks.append(_Chunk(message.run, worlds, episodes, outcomes, extra, values, labels))
+        self._outcomes.update(extra)
         self._rows += n
 
     # -- reading -------------------------------------------------------------------------
@@ -239,6 +302,11 @@ class SampleTable:
         return tuple(c for k in self.keys for c in self._factors[k].columns(k))
 
     @property
+    def y_columns(self) -> tuple[str, ...]:
+        """Outcome columns: :data:`OUTCOME_COLUMNS`, then the extra outcomes seen, sorted."""
+        return (*OUTCOME_COLUMNS, *sorted(self._outcomes))
+
+    @property
     def columns(self) -> tuple[str, ...]:
         """Every row column: keys, factor values (with ``key.label`` after each categorical
         code), then the outcomes."""
@@ -247,7 +315,7 @@ class SampleTable:
             cols += self._factors[key].columns(key)
             if self._factors[key].categorical:
                 cols.append(f"{key}.label")
-        return (*cols, *OUTCOME_COLUMNS)
+        return (*cols, *self.y_columns)
 
     def arrays(self) -> SampleArrays:
         """The whole table as owned numpy arrays (built on each call)."""
@@ -255,14 +323,18 @@ class SampleTable:
         widths = [self._factors[k].width for k in keys]
         offsets = np.concatenate([[0], np.cumsum(widths, dtype=np.int64)])
         x = np.full((self._rows, int(offsets[-1])), np.nan)
-        y = np.empty((self._rows, len(OUTCOME_COLUMNS)))
+        y_columns = self.y_columns
+        extra = {name: len(OUTCOME_COLUMNS) + i for i, name in enumerate(y_columns[len(OUTCOME_COLUMNS):])}
+        y = np.full((self._rows, len(y_columns)), np.nan)
         labels = {k: np.full(self._rows, None, dtype=object) for k in keys
                   if self._factors[k].categorical}
         runs: list[str] = []
         row = 0
         for chunk in self._chunks:
             end = row + chunk.world.shape[0]
-            y[row:end] = chunk.outcomes
+            y[row:end, :len(OUTCOME_COLUMNS)] = chunk.outcomes
+            for name, values in chunk.extra.items():
+                y[row:end, extra[name]] = values
             runs += [chunk.run] * (end - row)
             for i, key in enumerate(keys):
                 if key in chunk.values:
@@ -274,11 +346,11 @@ class SampleTable:
         world = np.concatenate([c.world for c in self._chunks]) if self._chunks else empty
         episode = np.concatenate([c.episode for c in self._chunks]) if self._chunks else empty
         return SampleArrays(np.array(runs, dtype=str), world, episode, x, y, self.x_columns,
-                            OUTCOME_COLUMNS, labels)
+                            y_columns, labels)
 
     def to_numpy(self) -> tuple[np.ndarray, np.ndarray]:
         """``(X, Y)``: factors and outcomes; column names in ``x_columns`` and
-        ``OUTCOME_COLUMNS``."""
+        ``y_columns``."""
         a = self.arrays()
         return a.x, a.y
 
@@ -293,8 +365,11 @@ class SampleTable:
                 j += 1
             if factor.categorical:
                 out[f"{key}.label"] = a.labels[key]
-        for i, name in enumerate(OUTCOME_COLUMNS):
-            out[name] = a.y[:, i].astype(np.int64 if name == "length" else bool)
+        for i, name in enumerate(a.y_columns):
+            if i < len(OUTCOME_COLUMNS):
+                out[name] = a.y[:, i].astype(np.int64 if name == "length" else bool)
+            else:
+                out[name] = a.y[:, i]
         return out
 
     def rows(self) -> list[dict[str, Any]]:

@@ -29,6 +29,7 @@ and a world count that cannot fit is rejected before anything is allocated for i
 
 from __future__ import annotations
 
+import json
 import math
 import time
 from collections import defaultdict
@@ -38,14 +39,17 @@ from typing import Any, Literal, TypeAlias
 import numpy as np
 import torch
 
-from broker import Batch, EpisodeEnd, FieldSpec, RunEnd, VariationSample
+from broker import Batch, EpisodeEnd, FieldSpec, RunEnd, RunStart, SchemaError, VariationSample
+from broker.messages import RESERVED_OUTCOMES
 
+from ._format import to_json
 from .episode_buffers import DenseTopicBuffer, EpisodePacker, Segment, TopicBuffer
 from .errors import StorageError, StoreFormatError
 from .run_writer import RunWriter
 from .write_queue import RunWriteQueue
 
-__all__ = ["GAP_JOINED_LATE", "GAP_SEQUENCE", "MAX_WORLDS", "ExportMode", "RejectedMessage", "RunAssembly"]
+__all__ = ["GAP_JOINED_LATE", "GAP_SEQUENCE", "MAX_WORLDS", "ExportMode", "RejectedMessage", "RunAssembly",
+           "run_fields"]
 
 ExportMode: TypeAlias = Literal["all", "succeeded", "split", "none"]
 
@@ -130,6 +134,88 @@ def _name(value: Any, what: str) -> str:
     return value
 
 
+def _plain(value: Any, depth: int = 0) -> Any:
+    """``value`` with mappings as dicts, tuples as lists and numpy scalars as Python ones."""
+    if depth > 64:
+        raise ValueError("nested deeper than 64")
+    if isinstance(value, Mapping):
+        return {k: _plain(v, depth + 1) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_plain(v, depth + 1) for v in value]
+    if isinstance(value, np.generic):
+        return value.item()
+    return value
+
+
+def run_fields(msg: RunStart | RunEnd) -> dict[str, Any]:
+    """The variation declarations, run seed and wall time of a ``RunStart`` or ``RunEnd``, as
+    stored in the run's attributes: ``{"declarations": {key: declaration}, "seed": int | None,
+    "started_at" | "ended_at": unix seconds}`` (a wall time of 0, "not given", is replaced by
+    the daemon's clock). Declarations are stored as they came (JSON-safe, see
+    :func:`storage._format.to_json`); the wire codec checks their structure.
+
+    Raises:
+        RejectedMessage: (``"variations"``) declarations that are not a mapping of non-empty
+            str keys to str-keyed mappings JSON attributes can hold; (``"header"``) a seed that
+            is not an int or ``None``, a wall time that is not a finite number >= 0.
+    """
+    kind = type(msg).__name__
+    declarations = msg.variations
+    try:
+        if not isinstance(declarations, Mapping) or not all(
+                isinstance(k, str) and k and isinstance(d, Mapping) and all(isinstance(n, str) for n in d)
+                for k, d in declarations.items()):
+            raise ValueError("expected a mapping of non-empty str keys to declarations (str-keyed "
+                             "mappings)")
+        stored = to_json(_plain(declarations))
+        json.dumps(stored, allow_nan=False)
+    except (TypeError, ValueError, RecursionError) as exc:
+        raise RejectedMessage("variations", f"run {msg.run!r}: {kind} variations cannot be stored: "
+                                            f"{exc}; got {declarations!r:.120}",
+                              worlds=np.zeros(0, np.int64)) from None
+    seed, wall = msg.seed, msg.wall_time
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int | np.integer)):
+        raise RejectedMessage("header", f"run {msg.run!r}: {kind} seed must be an int or None, got "
+                                        f"{seed!r:.80}", worlds=np.zeros(0, np.int64))
+    if isinstance(wall, bool) or not isinstance(wall, int | float | np.integer | np.floating) or \
+            not math.isfinite(wall) or wall < 0:
+        raise RejectedMessage("header", f"run {msg.run!r}: {kind} wall_time must be a finite number "
+                                        f">= 0, got {wall!r:.80}", worlds=np.zeros(0, np.int64))
+    when = float(wall) if wall > 0 else time.time()
+    return {"declarations": stored, "seed": None if seed is None else int(seed),
+            ("started_at" if isinstance(msg, RunStart) else "ended_at"): when}
+
+
+def _outcomes(msg: EpisodeEnd, n: int) -> dict[str, np.ndarray]:
+    """The episode outcomes of ``msg`` as float64 arrays of ``n`` values each.
+
+    Raises:
+        RejectedMessage: (``"outcomes"``) not a mapping of non-empty, unreserved str names to
+            1-D bool, integer or float tensors of ``n`` values.
+    """
+    outcomes = msg.outcomes
+    if not isinstance(outcomes, Mapping):
+        raise RejectedMessage("outcomes", f"episode/end outcomes: expected a mapping, got "
+                                          f"{type(outcomes).__name__}")
+    out: dict[str, np.ndarray] = {}
+    for name, t in outcomes.items():
+        if not isinstance(name, str) or not name or name in RESERVED_OUTCOMES:
+            raise RejectedMessage("outcomes", f"episode/end outcome name {name!r:.80}: expected a "
+                                              f"non-empty str not in {sorted(RESERVED_OUTCOMES)}")
+        if not isinstance(t, torch.Tensor) or t.dim() != 1 or t.shape[0] != n or t.is_complex() or \
+                not (t.dtype == torch.bool or t.dtype.is_floating_point or not t.dtype.is_signed or
+                     t.dtype in (torch.int8, torch.int16, torch.int32, torch.int64)):
+            got = f"{t.dtype} of shape {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
+            raise RejectedMessage("outcomes", f"episode/end outcome {name!r}: expected a 1-D bool, "
+                                              f"integer or float tensor of {n} values, got {got}")
+        try:
+            out[name] = t.detach().to("cpu", torch.float64).numpy()
+        except (TypeError, RuntimeError) as exc:  # a dtype without a float64 cast (quantized...)
+            raise RejectedMessage("outcomes", f"episode/end outcome {name!r}: {t.dtype} cannot be "
+                                              f"stored as float64: {exc}") from exc
+    return out
+
+
 class RunAssembly:
     """Assembles the episodes of one run and commits them to one or two writers.
 
@@ -203,8 +289,10 @@ class RunAssembly:
         return (not self.started and not self.resumed and self.first_seq is not None
                 and seq < self.first_seq and not any(w.stored for w in self._writers()))
 
-    def adopt(self, num_worlds: int, device: str, metadata: dict[str, Any]) -> None:
-        """Take the run's late ``RunStart``: its world count, device and metadata.
+    def adopt(self, num_worlds: int, device: str, metadata: dict[str, Any],
+              fields: Mapping[str, Any] | None = None) -> None:
+        """Take the run's late ``RunStart``: its world count, device, metadata and run fields
+        (:func:`run_fields`).
 
         Raises:
             RejectedMessage: (``"budget"``) ``num_worlds`` do not fit in the run's budget.
@@ -216,8 +304,17 @@ class RunAssembly:
         for writer in self._writers():
             with writer.lock:
                 writer.meta.update({"num_worlds": self.num_worlds, "device": device,
-                                    "metadata": metadata, "num_worlds_known": True})
+                                    "metadata": metadata, "num_worlds_known": True, **(fields or {})})
             self.queue.submit(writer.create)
+            self.queue.submit(writer.write_meta)
+
+    def set_run_fields(self, fields: Mapping[str, Any]) -> None:
+        """Record a ``RunStart``'s fields (:func:`run_fields`) in the run's attributes (on
+        the writer thread, after the run's creation)."""
+        for writer in self._writers():
+            with writer.lock:
+                writer.meta.update(fields)
+            self.queue.submit(writer.write_meta)
 
     # -- validation ----------------------------------------------------------------------
 
@@ -306,7 +403,8 @@ class RunAssembly:
                                                    f"{values.shape}")
                 specs[name] = _spec_of(t, values, f"topic {topic!r} field {name!r}", self.budget_bytes)
                 fields[name] = values
-            buf = self._topic(topic.removeprefix("batch/"), specs, dense=len(worlds) == self.num_worlds)
+            buf = self._topic(topic.removeprefix("batch/"), specs, msg.fields, len(worlds),
+                              dense=len(worlds) == self.num_worlds)
         except RejectedMessage as exc:
             exc.worlds = worlds
             raise
@@ -342,6 +440,7 @@ class RunAssembly:
             if len(length) and int(length.min()) < 0:
                 raise RejectedMessage("length", f"episode/end length: expected counts >= 0, got "
                                                 f"{int(length.min())}")
+            outcomes = _outcomes(msg, len(worlds))
         except RejectedMessage as exc:
             exc.worlds = worlds
             raise
@@ -366,7 +465,8 @@ class RunAssembly:
                 w = int(worlds[i])
                 row = {"world": w, "index": int(episodes[i]), "length": int(length[i]),
                        "end_step": int(msg.step), "end_seq": int(msg.seq),
-                       **{k: bool(v[i]) for k, v in flags.items()}}
+                       **{k: bool(v[i]) for k, v in flags.items()},
+                       "outcomes": {k: float(v[i]) for k, v in outcomes.items()}}
                 self.pending[id(writer)].append((row, segs[w]))
         self.episode[worlds] = episodes + 1
         self.clean[worlds] = True
@@ -430,15 +530,33 @@ class RunAssembly:
 
     def on_run_end(self, msg: RunEnd) -> None:
         """Commit everything and cut the arrays; episodes still open are dropped (counted in
-        :attr:`open_at_end`) and their fragments reclaimed. Waits for the store."""
+        :attr:`open_at_end`) and their fragments reclaimed. Waits for the store.
+
+        The ``RunEnd``'s declarations replace the stored ones key by key (a ``RunEnd`` repeats
+        every declaration, so a run joined without its ``RunStart`` gets them all here); its
+        seed replaces the stored one unless ``None``; its wall time is the run's ``ended_at``.
+        A ``RunEnd`` with ``interrupted`` ends the run with status ``interrupted`` instead of
+        ``complete`` (every complete episode is stored either way).
+
+        Raises:
+            RejectedMessage: The ``RunEnd``'s fields cannot be stored (nothing changed then).
+        """
+        fields = run_fields(msg)
+        for writer in self._writers():
+            with writer.lock:
+                writer.meta["declarations"] = {**writer.meta.get("declarations", {}),
+                                               **fields["declarations"]}
+                if fields["seed"] is not None or "seed" not in writer.meta:
+                    writer.meta["seed"] = fields["seed"]
         self.open_at_end += self.open_episodes()
         self._drop(np.arange(self.num_worlds))
         self.ended = True
         schema = {t: {f: s.to_dict() for f, s in fs.items()} for t, fs in msg.schema.items()}
-        self.commit(status="complete", extra={"run_end": {"seq": msg.seq, "step": msg.step,
-                                                          "schema": schema},
-                                              "ended_at": time.time(),
-                                              "open_at_end": self.open_at_end}, wait=True)
+        interrupted = msg.interrupted is True  # (a RunEnd's flag: the publisher stopped early)
+        self.commit(status="interrupted" if interrupted else "complete",
+                    extra={"run_end": {"seq": msg.seq, "step": msg.step, "interrupted": interrupted,
+                                       "schema": schema},
+                           "ended_at": fields["ended_at"], "open_at_end": self.open_at_end}, wait=True)
         self._finish_arrays()
 
     # -- commits -------------------------------------------------------------------------
@@ -591,14 +709,19 @@ class RunAssembly:
             with writer.lock:
                 writer.meta["num_worlds"] = max(int(writer.meta["num_worlds"]), n)
 
-    def _topic(self, term: str, specs: dict[str, FieldSpec], *, dense: bool) -> TopicBuffer:
+    def _topic(self, term: str, specs: dict[str, FieldSpec], fields: Mapping[str, Any], rows: int, *,
+                dense: bool) -> TopicBuffer:
         """The buffer of ``term``, made on its first batch: time-major when that batch
-        covers every world (a per-step term), else world-major. Fields are matched by name."""
+        covers every world (a per-step term), else world-major. Later batches are checked by
+        the term's :class:`broker.TopicSchema` (by name, never by order) against the batch's
+        own ``fields`` (its tensors: a bfloat16 field is bfloat16 there, not the 16 bits it is
+        stored as)."""
         buf = self.topics.get(term)
         if buf is not None:
-            if specs != buf.specs:  # dicts: compared by name, never by order
-                raise RejectedMessage("schema", f"topic 'batch/{term}': expected fields "
-                                                f"{_describe(buf.specs)}, got {_describe(specs)}")
+            try:
+                buf.schema.check(fields, topic=f"batch/{term}", rows=rows)
+            except SchemaError as exc:
+                raise RejectedMessage("schema", str(exc)) from None
             return buf
         for writer in self._writers():
             try:
@@ -702,10 +825,6 @@ def _labels(labels: Any, key: str) -> list[Any] | None:
     return list(labels)
 
 
-def _describe(specs: Mapping[str, FieldSpec]) -> str:
-    return "{" + ", ".join(f"{n!r}: {s.dtype}{list(s.shape)}" for n, s in sorted(specs.items())) + "}"
-
-
 # -- jobs of the writer thread -----------------------------------------------------------------
 
 
@@ -722,10 +841,13 @@ def _commit_job(writer: RunWriter, rows: list[tuple[dict[str, Any], list[Segment
         counts[key] = writer.append_variation(key, phase, labels, w, e, s, q, v, spec)
     episodes = None
     if rows:
-        table = {k: np.asarray([r[k] for r, _ in rows]) for k in rows[0][0]}
+        table = {k: np.asarray([r[k] for r, _ in rows]) for k in rows[0][0] if k != "outcomes"}
         table["segment_count"] = np.asarray([len(s) for _, s in rows], np.int64)
         segs = np.asarray([seg for _, ss in rows for seg in ss], np.int64).reshape(-1, 3)
-        episodes = EpisodeRows(table, segs)
+        names = sorted({name for r, _ in rows for name in r["outcomes"]})
+        outcomes = {name: np.asarray([r["outcomes"].get(name, np.nan) for r, _ in rows], np.float64)
+                    for name in names}
+        episodes = EpisodeRows(table, segs, outcomes)
     writer.commit(episodes, gaps=gaps, seq_high=seq_high, step_high=step_high,
                   variations=counts, status=status, extra=extra)
     if rows:

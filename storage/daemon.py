@@ -43,7 +43,7 @@ import numpy as np
 from broker import Batch, EpisodeEnd, FieldSpec, Gap, Message, RunEnd, RunStart, VariationSample
 
 from ._format import Compression, StoreLocation, local_path, to_json
-from .assembly import MAX_WORLDS, ExportMode, RejectedMessage, RunAssembly
+from .assembly import MAX_WORLDS, ExportMode, RejectedMessage, RunAssembly, run_fields
 from .run_writer import RunStoreWriter, RunWriter
 from .write_queue import RunWriteQueue
 
@@ -262,7 +262,7 @@ class StoreDaemon:
         if name in self._failed:
             raise RejectedMessage("run failed", f"run {name!r} failed earlier ({self._failed[name]}); "
                                                 f"its messages are not stored", worlds=np.zeros(0, np.int64))
-        if name not in self._ended and self.writers[0].status(name) == "complete":
+        if name not in self._ended and self.writers[0].status(name) in ("complete", "interrupted"):
             self._ended.add(name)  # ended before this daemon started: never reopened
         if name in self._ended:
             if isinstance(msg, RunEnd):  # a repeated end (the publisher asks again): confirm
@@ -280,9 +280,9 @@ class StoreDaemon:
         Raises:
             RejectedMessage: The ``RunStart`` holds something that cannot be stored.
         """
-        num_worlds, device, metadata = _start_fields(msg)
+        num_worlds, device, metadata, fields = _start_fields(msg)
         if asm is not None and asm.adoptable(int(msg.seq)):
-            asm.adopt(num_worlds, device, metadata)
+            asm.adopt(num_worlds, device, metadata, fields)
             _log.info("run %r: its RunStart arrived after its first messages; adopted", asm.run)
             return asm
         previous = self._session.get(msg.run, msg.run)
@@ -298,8 +298,10 @@ class StoreDaemon:
             _log.warning("run id %r is already in the store: this session is stored as %r", msg.run, name)
         self._session[msg.run] = name
         self._ended.discard(name)
-        return self._admit(name, msg.run, num_worlds=num_worlds, device=device,
-                           metadata=metadata, clean=True, seq=msg.seq, step=msg.step)
+        asm = self._admit(name, msg.run, num_worlds=num_worlds, device=device,
+                          metadata=metadata, clean=True, seq=msg.seq, step=msg.step)
+        asm.set_run_fields(fields)
+        return asm
 
     def _open(self, name: str, msg: Message) -> RunAssembly:
         """A run joined without its ``RunStart``: resumed from the store, or new (its start
@@ -534,13 +536,15 @@ def _check_envelope(msg: Message) -> None:
                                             f"int in [0, 2**63))")
 
 
-def _start_fields(msg: RunStart) -> tuple[int, str, dict[str, Any]]:
-    """The world count, device and JSON-safe metadata of a ``RunStart``.
+def _start_fields(msg: RunStart) -> tuple[int, str, dict[str, Any], dict[str, Any]]:
+    """The world count, device, JSON-safe metadata and run fields (declarations, seed,
+    ``started_at``: :func:`storage.assembly.run_fields`) of a ``RunStart``.
 
     Raises:
-        RejectedMessage: (``"header"``) an invalid world count or device; (``"metadata"``)
-            metadata that is not a mapping of values JSON attributes can hold losslessly
-            (bytes and non-finite floats can: see :func:`storage._format.to_json`).
+        RejectedMessage: (``"header"``) an invalid world count, device, seed or wall time;
+            (``"metadata"``) metadata that is not a mapping of values JSON attributes can hold
+            losslessly (bytes and non-finite floats can: see :func:`storage._format.to_json`);
+            (``"variations"``) declarations that cannot be stored.
     """
     num_worlds, device, metadata = msg.num_worlds, msg.device, msg.metadata
     if isinstance(num_worlds, bool) or not isinstance(num_worlds, int | np.integer) or \
@@ -559,7 +563,7 @@ def _start_fields(msg: RunStart) -> tuple[int, str, dict[str, Any]]:
     except (TypeError, ValueError, RecursionError) as exc:
         raise RejectedMessage("metadata", f"run {msg.run!r}: RunStart metadata cannot be stored "
                                           f"as JSON attributes: {exc}") from None
-    return int(num_worlds), device, stored
+    return int(num_worlds), device, stored, run_fields(msg)
 
 
 def _resume_job(writer: RunWriter) -> None:

@@ -14,7 +14,7 @@ from concurrent.futures import Future
 
 import numpy as np
 
-from broker import FieldSpec
+from broker import FieldSpec, TopicSchema
 
 from ._format import HOOKS, numpy_dtype
 from .run_writer import RunWriter
@@ -58,6 +58,8 @@ class TopicBuffer:
                  capacity: int) -> None:
         self.term = term
         self.specs = dict(specs)
+        self.schema = TopicSchema(specs)
+        """The term's schema: every later batch is checked by it (by name)."""
         self.dtypes = {name: numpy_dtype(spec.dtype) for name, spec in specs.items()}
         self.row_bytes = sum(d.itemsize * int(np.prod(s.shape, dtype=np.int64))
                              for d, s in zip(self.dtypes.values(), specs.values(), strict=True))

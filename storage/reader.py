@@ -140,7 +140,15 @@ class RunStore:
         return dict(self._damaged)
 
     def info(self, run: str) -> dict[str, Any]:
-        """The run's attributes: num_worlds, device, metadata, status, fields, committed.
+        """The run's attributes: num_worlds, device, metadata, status, fields, committed, and:
+
+        - ``variations``: variation key -> declaration (``kind``, ``phase``, ``shape``,
+          ``seed``, bounds or labels...) as the run's ``RunStart`` and ``RunEnd`` declared them;
+        - ``variation_samples``: variation key -> how its samples are stored (``node``,
+          ``phase``, ``labels``, ``field``), for every key with stored samples;
+        - ``seed``: the run seed (or ``None``); ``started_at``, ``ended_at``: unix seconds (or
+          ``None``: a run joined without its ``RunStart``, a run not ended);
+        - ``outcomes``: the episode outcome names stored (sorted).
 
         Raises:
             RunNotFoundError: No run ``run``.
@@ -156,6 +164,12 @@ class RunStore:
                                    f"runs: {self.runs()}")
         out = dict(meta)
         out["metadata"] = from_json(meta.get("metadata", {}))
+        out["variation_samples"] = dict(meta.get("variations", {}))
+        out["variations"] = from_json(meta.get("declarations", {}))
+        out["outcomes"] = sorted(meta.get("outcomes", {}))
+        for key in ("seed", "started_at", "ended_at"):
+            out.setdefault(key, None)
+        out.pop("declarations", None)
         return out
 
     def _group(self, run: str, path: str, rows: int) -> zarr.Group | None:
@@ -212,7 +226,8 @@ class RunStore:
     def episodes(self, run: str | None = None, **equal: Any) -> Table:
         """The committed episodes of ``run`` (all runs when ``None``), optionally filtered by
         column equality (``success=True``). Columns: run, world, index, length, success,
-        terminated, truncated, end_step, segments."""
+        terminated, truncated, end_step, segments, then the episode outcomes stored (float64,
+        sorted by name; NaN where an episode lacks one)."""
         parts = []
         for r in [run] if run is not None else self.runs():
             n = int(self.info(r)["committed"]["episodes"])
@@ -222,11 +237,19 @@ class RunStore:
                           ("success", "bool"), ("terminated", "bool"), ("truncated", "bool"),
                           ("end_step", "int64"), ("segment_count", "int64")):
                 cols["segments" if c == "segment_count" else c] = self._column(r, group, c, n, dt)
+            cols.update(self._outcomes(r, group, n))
             parts.append(cols)
+        names = sorted({c for p in parts for c in p} - set(_EPISODE_OUT))
         if not parts:
             return Table({c: np.zeros(0, object if c == "run" else "int64") for c in _EPISODE_OUT})
-        table = Table({c: np.concatenate([p[c] for p in parts]) for c in _EPISODE_OUT})
+        table = Table({c: np.concatenate([p[c] if c in p else np.full(len(p["run"]), np.nan) for p in parts])
+                       for c in (*_EPISODE_OUT, *names)})
         return table.filter(**equal) if equal else table
+
+    def _outcomes(self, run: str, group: zarr.Group | None, n: int) -> dict[str, np.ndarray]:
+        """The stored outcome columns of ``run``'s first ``n`` episodes, by name."""
+        stored: dict[str, str] = self._meta[run].get("outcomes", {})
+        return {name: self._column(run, group, node, n, "float64") for name, node in sorted(stored.items())}
 
     def episode(self, run: str, world: int, index: int) -> dict[str, np.ndarray]:
         """Every field of one committed episode, read back whole (fragments concatenated).
@@ -312,7 +335,8 @@ class RunStore:
 
     def variation_samples(self, run: str, key: str) -> Table:
         """Raw committed samples of one variation: world, episode, step, seq, value."""
-        meta = self.info(run)
+        self.info(run)
+        meta = self._meta[run]
         if key not in meta["variations"]:
             raise KeyError(f"run {run!r} has no variation {key!r}; "
                            f"variations: {sorted(meta['variations'])}")
@@ -332,12 +356,16 @@ class RunStore:
         ``arrays()``, ``to_numpy()``, ``rows()`` or ``to_pandas()``."""
         import torch
 
-        from broker import EpisodeEnd, VariationSample
+        from broker import EpisodeEnd, RunStart, VariationSample
         from consumers.sample_table import SampleTable
 
         table = SampleTable()
         for r in [run] if run is not None else self.runs():
-            meta = self.info(r)
+            info = self.info(r)
+            table(RunStart(r, 0, 0, int(info["num_worlds"]), str(info["device"]),
+                           variations=info["variations"], seed=info["seed"],
+                           wall_time=float(info["started_at"] or 0.0)))
+            meta = self._meta[r]
             events: list[tuple[int, int, Any]] = []
             for key, vmeta in meta["variations"].items():
                 s = self.variation_samples(r, key)
@@ -355,12 +383,14 @@ class RunStore:
                                                                        "end_step", "end_seq")}
             flags = {c: self._column(r, group, c, n, "bool") for c in ("success", "terminated",
                                                                        "truncated")}
+            outcomes = self._outcomes(r, group, n)
             for seq in np.unique(cols["end_seq"]).tolist():
                 m = cols["end_seq"] == seq
                 t = {k: torch.from_numpy(v[m]) for k, v in {**cols, **flags}.items()}
                 events.append((seq, 1, EpisodeEnd(r, seq, int(cols["end_step"][m][0]),
                                                   t["world"], t["index"], t["success"],
-                                                  t["terminated"], t["truncated"], t["length"])))
+                                                  t["terminated"], t["truncated"], t["length"],
+                                                  outcomes={k: torch.from_numpy(v[m]) for k, v in outcomes.items()})))
             for _, _, message in sorted(events, key=lambda e: (e[0], e[1])):
                 table(message)
         return table

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -66,11 +65,13 @@ class EpisodeRows:
 
     ``segments`` holds ``(topic code, offset, rows)`` per segment, episode after episode, and
     ``segment_count`` says how many belong to each episode (``segment_start`` is assigned by
-    the writer).
+    the writer). ``outcomes`` maps outcome names to float64 values per episode (NaN where an
+    episode lacks one); an outcome the run stored before and these episodes lack is NaN too.
     """
 
     columns: dict[str, np.ndarray]
     segments: np.ndarray = field(default_factory=lambda: np.zeros((0, 3), np.int64))
+    outcomes: dict[str, np.ndarray] = field(default_factory=dict)
 
     def __len__(self) -> int:
         return len(self.columns["world"])
@@ -93,8 +94,8 @@ def new_meta(run: str, *, num_worlds: int, device: str, metadata: Mapping[str, A
     """The attributes of a new run (JSON-safe)."""
     return {"run": run, "session_of": session_of, "num_worlds": int(num_worlds),
             "device": device, "metadata": to_json(dict(metadata or {})), "status": "open",
-            "started_at": time.time(), "ended_at": None, "dirty": True, "topics": [],
-            "term_nodes": {}, "fields": {}, "variations": {}, "resumed": 0,
+            "started_at": None, "ended_at": None, "declarations": {}, "seed": None, "outcomes": {},
+            "dirty": True, "topics": [], "term_nodes": {}, "fields": {}, "variations": {}, "resumed": 0,
             "committed": {"episodes": 0, "segments": 0, "gaps": 0, "rows": {}, "variations": {},
                           "seq_high": -1, "step_high": -1}}
 
@@ -115,6 +116,7 @@ class RunWriter:
         self._data: dict[str, dict[str, Column]] = {}
         self._tables: dict[str, dict[str, Column]] = {}
         self._variations: dict[str, dict[str, Column]] = {}
+        self._outcomes: dict[str, Column] = {}
         self.stored = 0
         """Episodes committed by this writer (this session)."""
         self.committed_step = int(meta["committed"]["step_high"])
@@ -160,6 +162,16 @@ class RunWriter:
         with self.lock:
             self.group = self._owner.runs_group.create_group(
                 node_name(self.run), attributes={"worldtap_run": self.meta})
+
+    def write_meta(self) -> None:
+        """Write the run's attributes as they are now (writer thread; nothing if the run is not
+        in the store yet: its creation writes them). The committed counts in them are the
+        writer thread's own, so this moves no commit point."""
+        if self.group is None:
+            return
+        with self.lock:
+            meta = dict(self.meta)
+        self.group.update_attributes({"worldtap_run": meta})
 
     # -- data (written first, invisible until committed) --------------------------------
 
@@ -273,6 +285,39 @@ class RunWriter:
             self._tables[name] = made
         return self._tables[name]
 
+    def _outcome_rows(self, outcomes: Mapping[str, np.ndarray], n_ep: int,
+                      n: int) -> list[tuple[Column, np.ndarray]]:
+        """The writes of the outcome columns for ``n`` episodes after the ``n_ep`` committed:
+        every stored outcome (NaN where these episodes lack it), and a new outcome's column made
+        here with its first ``n_ep`` rows NaN (registered in the attributes at the commit)."""
+        assert self.group is not None
+        with self.lock:
+            known: dict[str, str] = dict(self.meta.get("outcomes", {}))
+        writes = []
+        for name in sorted(set(known) | set(outcomes)):
+            values = np.asarray(outcomes[name], np.float64) if name in outcomes else np.full(n, np.nan)
+            column = self._outcomes.get(name)
+            if column is None:
+                egroup = self.group.require_group("episodes")
+                if name in known:  # stored by an earlier session: reopen it at the committed rows
+                    arr = _as_array(egroup.get(known[name]), f"run {self.run!r} episodes/{known[name]}")
+                    column = Column(arr.with_config(APPEND_CONFIG), n_ep)
+                else:  # new: rows of the episodes committed before it are NaN
+                    node = node_name(name)
+                    column = Column(egroup.create_array(
+                        node, shape=(0,), dtype="float64", chunks=(TABLE_CHUNK,), fill_value=np.nan,
+                        compressors=self._owner.codecs, dimension_names=("episode",),
+                        attributes={"worldtap_outcome": name}, config=APPEND_CONFIG,
+                        overwrite=True), 0)  # a column not in the committed meta is crash debris
+                    values = np.concatenate([np.full(n_ep, np.nan), values])
+                    with self.lock:
+                        self.meta.setdefault("outcomes", {})[name] = node
+                self._outcomes[name] = column
+            else:
+                column.rewind(n_ep)  # rows an interrupted commit wrote are overwritten
+            writes.append((column, values))
+        return writes
+
     def commit(self, episodes: EpisodeRows | None = None, *,
                gaps: Sequence[tuple[int, int, int, str]] = (),
                seq_high: int | None = None, step_high: int | None = None,
@@ -302,7 +347,9 @@ class RunWriter:
                 for column in table.values():
                     column.rewind(n)
             seg = np.ascontiguousarray(episodes.segments, dtype=np.int64).reshape(-1, 3)
+            outcomes = self._outcome_rows(episodes.outcomes, n_ep, len(counts))
             write_columns([(c, np.asarray(cols[col], dtype=c.array.dtype)) for col, c in etab.items()]
+                          + outcomes
                           + [(stab["episode"], np.repeat(np.arange(n_ep, n_ep + len(counts)), counts)),
                              (stab["topic"], seg[:, 0]), (stab["offset"], seg[:, 1]),
                              (stab["rows"], seg[:, 2])])
@@ -422,14 +469,29 @@ class RunWriter:
             reclaimed += max(0, arrays["_step"].shape[0] - n)
             resize_tail(arrays, n)
             self._open_term(term, arrays)
-        for name, cols in (("episodes", EPISODE_COLUMNS), ("segments", SEGMENT_COLUMNS),
+        outcome_nodes = list(self.meta.get("outcomes", {}).values())
+        for name, cols in (("episodes", [*EPISODE_COLUMNS, *outcome_nodes]), ("segments", SEGMENT_COLUMNS),
                            ("gaps", GAP_COLUMNS)):
             self._cut_group(name, f"table {name!r}", "rows", cols, int(committed[name]))
+        self._remove_debris_outcomes(outcome_nodes)
         for key, vmeta in self.meta["variations"].items():
             self._cut_group(f"variations/{vmeta['node']}", f"variation {key!r}", "samples",
                             ("value", *VAR_COLUMNS), int(committed["variations"].get(key, 0)))
         reclaimed += self.zero_holes()
         return reclaimed
+
+    def _remove_debris_outcomes(self, known: Sequence[str]) -> None:
+        """Delete outcome columns a crash left between their creation and the commit that
+        would have registered them (arrays of ``episodes/`` the attributes do not name)."""
+        assert self.group is not None
+        node = self.group.get("episodes")
+        if not isinstance(node, zarr.Group):
+            return
+        for name in child_nodes(node):
+            if name not in EPISODE_COLUMNS and name not in known:
+                arr = node.get(name)
+                if isinstance(arr, zarr.Array) and "worldtap_outcome" in arr.attrs:
+                    del node[name]
 
     def _cut_group(self, path: str, what: str, unit: str, cols: Iterable[str], n: int) -> None:
         """Cut the columns of the table group at ``path`` to its ``n`` committed rows.
@@ -495,7 +557,8 @@ class RunWriter:
         (call once everything written is committed: at the run's end, or at shutdown).
         Writing afterwards grows the capacity again."""
         with self.lock:
-            for columns in [*self._data.values(), *self._tables.values(), *self._variations.values()]:
+            for columns in [*self._data.values(), *self._tables.values(), *self._variations.values(),
+                            self._outcomes]:
                 for column in columns.values():
                     column.trim()
 
@@ -561,7 +624,7 @@ class RunStoreWriter:
         return node_name(run) in child_nodes(self.runs_group)
 
     def status(self, run: str) -> str | None:
-        """The committed status of ``run`` (``"open"``, ``"complete"``), ``None`` if the store
+        """The committed status of ``run`` (``"open"``, ``"complete"``, ``"interrupted"``), ``None`` if the store
         has no such run or nothing of it is committed.
 
         Raises:

@@ -20,7 +20,8 @@ EXPORTS: dict[str, set[str]] = {
         "decode", "encode", "load_keypair", "load_public_keys", "variation_topic", "write_keypair",
     },
     "capture": {
-        "CaptureError", "FieldTree", "FunctionTerm", "Recorder", "RecorderClosedError",
+        "CaptureError", "CartPoleRandomizer", "FieldTree", "FunctionTerm", "Recorder", "RecorderClosedError",
+        "RecordingVectorEnv",
         "SchemaError", "SelectorError", "Term", "TermError", "VariationError", "WorldSelector",
         "flatten_fields", "normalize_worlds",
     },
@@ -28,6 +29,12 @@ EXPORTS: dict[str, set[str]] = {
         "OUTCOME_COLUMNS", "ConsumersError", "FieldStatistics", "FinishedEpisode",
         "LiveStatistics", "LiveSummary", "Retention", "RetentionError", "RetentionSchemaError", "RetentionStatistics",
         "SampleArrays", "SampleTableError", "SampleTable",
+    },
+    "consumers.sensitivity": {
+        "CONVERGENCE_FRACTIONS", "CONVERGENCE_RULE", "CONVERGENCE_WIDTH", "DEFAULT_METHODS", "DUMMY",
+        "INFLUENCE_RULE", "LIVE_TOPICS", "METHODS", "MIN_BIN_EPISODES", "Analysis", "Factor", "IndexRow",
+        "LiveResult", "MissingDependencyError", "RateRow", "SensitivityError", "analyze", "dummy_seed",
+        "render_table", "run_live", "to_json", "write_outputs",
     },
     "storage": {
         "DaemonStatistics", "EpisodeNotFoundError", "EpisodeRows", "ExportMode", "FencedStore",
@@ -57,7 +64,8 @@ def test_importing_the_packages_stays_light() -> None:
     """Optional integrations are imported lazily."""
     heavy = ["gymnasium", "SALib", "matplotlib", "rich", "pandas", "xarray", "dask"]
     code = (
-        "import sys, broker, capture, capture.variations, consumers, storage\n"
+        "import sys, broker, capture, capture.variations, capture.gymnasium, capture.cartpole, consumers\n"
+        "import consumers.sensitivity, consumers.sensitivity.cli, storage, storage.demo\n"
         f"print(sorted(m for m in {heavy!r} if m in sys.modules))\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)

@@ -5,15 +5,17 @@ from __future__ import annotations
 import weakref
 from collections.abc import Iterable, Iterator, Mapping
 from types import MappingProxyType
+from typing import Any
 
 import torch
 
-from broker.messages import BUILD, Label, Phase, VariationSample
+from broker.messages import BUILD, RUNTIME, Label, Phase, VariationSample
 
 from ..errors import RecorderClosedError, VariationError
 from ..recorder import Recorder
 from ..selectors import WorldSelector
 from .records import EpisodeSample, VariationDraw, VariationRecord, VariationSummary
+from .samplers import Sampler
 from .variation import Variation
 
 __all__ = ["VariationRecorder"]
@@ -22,7 +24,7 @@ __all__ = ["VariationRecorder"]
 class _Listener:
     """The sample listener bound to one attached variation. Holds the variation weakly."""
 
-    __slots__ = ("__weakref__", "key", "labels", "owner", "phase", "variation")
+    __slots__ = ("__weakref__", "declared", "key", "labels", "owner", "phase", "variation")
 
     def __init__(self, owner: VariationRecorder, variation: Variation) -> None:
         self.owner = owner
@@ -30,12 +32,20 @@ class _Listener:
         self.variation = weakref.ref(variation)
         self.phase: Phase = variation.phase
         self.labels = variation.labels
+        # the sampler whose declaration the recorder holds (weakly: no cycle through it)
+        self.declared: weakref.ref[Sampler[Any]] = weakref.ref(variation.sampler)
 
     def __call__(self, value: torch.Tensor, worlds: WorldSelector) -> None:
         variation = self.variation()
+        declaration = None
         if variation is not None:  # read at draw time: apply_cfg may have changed them
             self.phase, self.labels = variation.phase, variation.labels
+            if self.declared() is not variation.sampler:
+                declaration = variation.declaration()
         self.owner._on_draw(self.key, self.phase, self.labels, value, worlds)
+        if variation is not None and declaration is not None:  # the draw was accepted
+            self.owner._recorder.declare_variation(self.key, declaration)
+            self.declared = weakref.ref(variation.sampler)
 
 
 class VariationRecorder:
@@ -45,7 +55,19 @@ class VariationRecorder:
     A draw's worlds are normalized by the recorder, and each is tagged with the episode the
     world is in at the time of the draw: a draw made after ``record_pre_reset`` for those
     worlds belongs to their new episode. A build-time draw must come before the first step;
-    it is in effect for every episode of its worlds for the whole run.
+    it is in effect for every episode of its worlds for the whole run. A runtime draw must
+    come before the first step of the episode it is for (at reset: after ``record_pre_reset``
+    and before the next ``record_post_step``); one for a world whose episode has already
+    stepped would silently change a factor the episode partly ran without, so it is refused
+    with a :class:`VariationError` and nothing is published or recorded (the sampler has
+    drawn by then).
+
+    Declarations and seeds: ``attach`` derives the seed of every variation left without one
+    from the recorder's run seed (``Variation.set_run_seed``) and registers each variation's
+    declaration on the recorder (``Recorder.declare_variation``), so it travels in
+    ``RunStart`` (or, if the run has already started, in ``RunEnd``). After
+    ``Variation.apply_cfg`` the new declaration replaces the old one at the next accepted
+    draw.
 
     Ownership: the published message borrows the sampler's output tensor for the delivery
     call; the in-memory record keeps copies (on the recorder's device; ``clear()`` drops
@@ -76,12 +98,20 @@ class VariationRecorder:
         Returns:
             The keys attached.
 
+        Each attached variation whose configuration gives no seed has its seed derived from
+        the recorder's run seed and its key (its sampler rebuilt if that changes the seed), and
+        its declaration is registered on the recorder.
+
         Raises:
-            VariationError: Two variations share a key, or a key is already attached.
+            VariationError: Two variations share a key, a key is already attached, or a
+                variation without a seed of its own has already drawn from a seed that the
+                recorder's run seed would change.
             TypeError: An item is not a :class:`Variation`.
+            RecorderClosedError: The recorder is closed.
         """
         items = [variations] if isinstance(variations, Variation) else list(variations)
         seen: set[str] = set()
+        run_seed = self._recorder.seed
         for v in items:
             if not isinstance(v, Variation):
                 raise TypeError(f"variations: expected Variation objects, got {v!r}")
@@ -89,12 +119,19 @@ class VariationRecorder:
                 raise VariationError(f"variations: duplicate variation key {v.name!r}")
             if v.enabled:
                 seen.add(v.name)
+                error = v.reseed_error(run_seed)
+                if error is not None:
+                    raise VariationError(error)
+        if self._recorder.closed:
+            raise RecorderClosedError(f"attach: recorder of run {self._recorder.run!r} is closed")
         enabled = [v for v in items if v.enabled]
         for v in enabled:
+            v.set_run_seed(run_seed)
             listener = _Listener(self, v)
             v.add_sample_listener(listener)
             self._listeners[v.name] = listener
             self._records.setdefault(v.name, VariationRecord(v.name))
+            self._recorder.declare_variation(v.name, v.declaration())
         return tuple(v.name for v in enabled)
 
     def detach(self, key: str | None = None) -> None:
@@ -135,13 +172,15 @@ class VariationRecorder:
             )
         if idx.numel() == 0:
             return
-        rec.start()  # RunStart takes its sequence number before this sample does
         episodes = rec.episodes_of(idx)
         if phase == BUILD and (rec.step != 0 or bool(episodes.any())):
             raise VariationError(
                 f"variation {key!r}: expected build-time draws before the first step and first "
                 f"reset, got one at step {rec.step}; use phase 'runtime' for draws at resets"
             )
+        if phase == RUNTIME:
+            self._check_episode_start(key, idx)
+        rec.start()  # RunStart takes its sequence number before this sample does
         if value.device != rec.device:
             value = value.to(rec.device)
         message = VariationSample(rec.run, rec.next_seq(), rec.step, key, phase, idx, episodes,
@@ -152,6 +191,23 @@ class VariationRecorder:
                 value.detach().clone(), labels,
             ))
         rec.publish(message)
+
+    def _check_episode_start(self, key: str, idx: torch.Tensor) -> None:
+        """Refuse a runtime draw for worlds whose current episode has already stepped."""
+        rec = self._recorder
+        lengths = rec.lengths_of(idx)
+        stepped = lengths > 0
+        if not bool(stepped.any()):
+            return
+        worlds, steps = idx[stepped].tolist(), lengths[stepped].tolist()
+        shown = ", ".join(f"world {w} (at step {s} of its episode)" for w, s in zip(worlds[:8], steps[:8], strict=True))
+        more = f" and {len(worlds) - 8} more" if len(worlds) > 8 else ""
+        raise VariationError(
+            f"variation {key!r}: a runtime draw at step {rec.step} for worlds whose current "
+            f"episode has already stepped: {shown}{more}; a runtime value holds for a whole "
+            f"episode, so draw it at reset, after record_pre_reset(worlds) and before the first "
+            f"step of the new episode (or use phase 'build' for a value fixed for the run)"
+        )
 
     # -- the record ----------------------------------------------------------------------
 

@@ -9,7 +9,10 @@ they keep (the caller may write into it as soon as ``sample`` returns).
 
 Reproducibility: each sampler owns a ``torch.Generator`` on its device, seeded from its
 configuration, so the same configuration on the same device type draws the same stream.
-CPU and CUDA generators produce different streams for the same seed.
+CPU and CUDA generators produce different streams for the same seed. A configuration whose
+seed is ``None`` is built with ``derive_seed(0, "")``: every such standalone sampler draws the
+same stream, so give a seed, or use a :class:`capture.variations.Variation`, whose key enters
+the derived seed.
 """
 
 from __future__ import annotations
@@ -24,10 +27,20 @@ from broker.messages import Label
 
 from ..errors import VariationError
 from ..selectors import WorldSelector
-from .config import Bounds, ChoiceCfg, LogUniformCfg, NormalCfg, SamplerCfg, UniformCfg
+from .config import (
+    Bounds,
+    ChoiceCfg,
+    DesignCfg,
+    LogUniformCfg,
+    NormalCfg,
+    SamplerCfg,
+    UniformCfg,
+)
+from .seeds import derive_seed
 
 __all__ = [
     "ChoiceSampler",
+    "DesignSampler",
     "LogUniformSampler",
     "NormalSampler",
     "SampleListener",
@@ -52,21 +65,39 @@ class Sampler(ABC, Generic[C]):
     """Base of every sampler: owns the configuration, the generator and the listeners.
 
     Args:
-        cfg: The validated configuration; its ``seed`` seeds the generator.
+        cfg: The validated configuration; its ``seed`` seeds the generator (``None``:
+            ``derive_seed(0, "")``).
         device: Where draws are made and returned.
     """
 
     def __init__(self, cfg: C, *, device: torch.device | str = "cpu") -> None:
+        seed = cfg.seed
+        if seed is None:
+            seed = derive_seed(0, "")
+            cfg = cfg.with_seed(seed)
         self._cfg = cfg
         self._device = _device(device)
         self._generator = torch.Generator(device=self._device)
-        self._generator.manual_seed(cfg.seed)
+        self._generator.manual_seed(seed)
         self._listeners: list[SampleListener] = []
+        self._drawn = 0
 
     @property
     def cfg(self) -> C:
-        """The frozen configuration this sampler was built from."""
+        """The frozen configuration this sampler was built from, with the seed it uses."""
         return self._cfg
+
+    @property
+    def seed(self) -> int:
+        """The seed of the generator."""
+        seed = self._cfg.seed
+        assert seed is not None  # resolved in __init__
+        return seed
+
+    @property
+    def drawn(self) -> int:
+        """Number of values drawn so far (over every ``sample`` call)."""
+        return self._drawn
 
     @property
     def device(self) -> torch.device:
@@ -116,6 +147,7 @@ class Sampler(ABC, Generic[C]):
         if isinstance(n, bool) or not isinstance(n, int) or n < 0:
             raise VariationError(f"n: expected a non-negative int, got {n!r}")
         value = self._sample(n)
+        self._drawn += n
         for listener in tuple(self._listeners):
             listener(value, worlds)
         return value
@@ -138,7 +170,7 @@ class UniformSampler(Sampler[UniformCfg]):
     """Uniform float32 draws in ``[low, high]`` (per component for vector bounds)."""
 
     def __init__(
-        self, low: Bounds, high: Bounds, *, seed: int = 0, device: torch.device | str = "cpu"
+        self, low: Bounds, high: Bounds, *, seed: int | None = None, device: torch.device | str = "cpu"
     ) -> None:
         super().__init__(UniformCfg(low, high, seed=seed), device=device)
         self._low = self._tensor(self._cfg.low)
@@ -157,7 +189,7 @@ class LogUniformSampler(Sampler[LogUniformCfg]):
     """Float32 draws whose logarithm is uniform in ``[log low, log high]``."""
 
     def __init__(
-        self, low: Bounds, high: Bounds, *, seed: int = 0, device: torch.device | str = "cpu"
+        self, low: Bounds, high: Bounds, *, seed: int | None = None, device: torch.device | str = "cpu"
     ) -> None:
         super().__init__(LogUniformCfg(low, high, seed=seed), device=device)
         self._low = self._tensor(self._cfg.low)
@@ -186,7 +218,7 @@ class NormalSampler(Sampler[NormalCfg]):
         low: Bounds | None = None,
         high: Bounds | None = None,
         *,
-        seed: int = 0,
+        seed: int | None = None,
         device: torch.device | str = "cpu",
     ) -> None:
         super().__init__(NormalCfg(mean, std, low, high, seed=seed), device=device)
@@ -221,7 +253,7 @@ class ChoiceSampler(Sampler[ChoiceCfg]):
         weights: Sequence[float] | None = None,
         *,
         labels: Sequence[Label] | None = None,
-        seed: int = 0,
+        seed: int | None = None,
         device: torch.device | str = "cpu",
     ) -> None:
         super().__init__(ChoiceCfg(choices, weights, labels, seed=seed), device=device)
@@ -253,3 +285,49 @@ class ChoiceSampler(Sampler[ChoiceCfg]):
         if n == 0:
             return torch.empty(0, dtype=torch.int64, device=self._device)
         return torch.multinomial(self._weights, n, replacement=True, generator=self._generator)
+
+
+class DesignSampler(Sampler[DesignCfg]):
+    """Float32 values taken in order from a design: each draw returns the next rows.
+
+    Row ``i`` of a draw goes to the ``i``-th requested world. A draw that asks for more rows
+    than are left raises :class:`VariationError` and takes none.
+    """
+
+    def __init__(
+        self,
+        values: Any,
+        low: Bounds | None = None,
+        high: Bounds | None = None,
+        *,
+        seed: int | None = None,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        super().__init__(DesignCfg(values, low, high, seed=seed), device=device)
+        self._values: torch.Tensor = self._cfg.values.to(self._device)
+        self._next = 0
+
+    @classmethod
+    def from_cfg(cls, cfg: DesignCfg, *, device: torch.device | str = "cpu") -> DesignSampler:
+        return cls(cfg.values, cfg.low, cfg.high, seed=cfg.seed, device=device)
+
+    @property
+    def rows(self) -> int:
+        """Number of rows in the design."""
+        return self._cfg.rows
+
+    @property
+    def remaining(self) -> int:
+        """Number of rows not drawn yet."""
+        return self.rows - self._next
+
+    def _sample(self, n: int) -> torch.Tensor:
+        if n > self.remaining:
+            raise VariationError(
+                f"design: expected a draw of at most the {self.remaining} rows left "
+                f"({self._next} of {self.rows} used), got a draw of {n}; give a design with at "
+                f"least {self._next + n} rows"
+            )
+        value = self._values[self._next:self._next + n].clone()
+        self._next += n
+        return value

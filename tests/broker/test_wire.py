@@ -66,22 +66,35 @@ def test_batch_is_byte_exact() -> None:
 
 def test_episode_end_is_byte_exact() -> None:
     message = EpisodeEnd("r1", 4, 7, W, E, torch.tensor([True, False]), torch.tensor([False, False]),
-                         torch.tensor([False, True]), torch.tensor([5, 9]))
+                         torch.tensor([False, True]), torch.tensor([5, 9]),
+                         outcomes={"return": torch.tensor([1.0, 2.0])})
     header = (
-        b"\x88"  # map of 8 entries
+        b"\x89"  # map of 9 entries
         b"\xa1v\x01\xa4kind\xabepisode_end\xa3run\xa2r1\xa3seq\x04\xa4step\x07\xa3pub\xa1p\xa1n\x02"
         b"\xa7tensors\x96"  # 6 own tensors, frames 0..5:
         b"\x94\xa6worlds\xa5int64\x91\x02\x00\x94\xa8episodes\xa5int64\x91\x02\x01"
         b"\x94\xa7success\xa4bool\x91\x02\x02\x94\xaaterminated\xa4bool\x91\x02\x03"
         b"\x94\xa9truncated\xa4bool\x91\x02\x04\x94\xa6length\xa5int64\x91\x02\x05"
+        # "outcomes": [["return", "float32", [2], 6]], in the tensors' four-item form
+        b"\xa8outcomes\x91\x94\xa6return\xa7float32\x91\x02\x06"
     )
-    assert _bytes(encode(message, publisher="p", number=2)) == [
+    frames = encode(message, publisher="p", number=2)
+    assert _bytes(frames) == [
         b"episode/end", header, WORLDS_FRAME, EPISODES_FRAME,
         b"\x01\x00",  # success
         b"\x00\x00",  # terminated
         b"\x00\x01",  # truncated
         b"\x05" + b"\x00" * 7 + b"\x09" + b"\x00" * 7,  # length, int64 [5, 9]
+        b"\x00\x00\x80?\x00\x00\x00@",  # frame 6: outcome "return", float32 [1.0, 2.0]
     ]
+    back = decode(_bytes(frames))
+    assert isinstance(back, EpisodeEnd)
+    assert list(back.outcomes) == ["return"]
+    assert back.outcomes["return"].dtype == torch.float32
+    assert back.outcomes["return"].numpy().tobytes() == b"\x00\x00\x80?\x00\x00\x00@"
+    plain = EpisodeEnd("r1", 4, 7, W, E, torch.tensor([True, False]), torch.tensor([False, False]),
+                       torch.tensor([False, True]), torch.tensor([5, 9]))
+    assert bytes(encode(plain)[1]).endswith(b"\xa8outcomes\x90")  # always written, empty here
 
 
 def test_variation_sample_is_byte_exact() -> None:
@@ -103,23 +116,40 @@ def test_variation_sample_is_byte_exact() -> None:
 
 
 def test_run_start_and_end_are_byte_exact() -> None:
+    decl = {"kind": "uniform", "phase": "runtime", "shape": [], "seed": 7, "low": 0.5, "high": 2}
     start = RunStart("r1", 0, 0, 2, "cpu", {"batch/obs": {"x": FieldSpec("float32", (1,))}},
-                     {"task": "lift"})
+                     {"task": "lift"}, variations={"mass": decl}, seed=3, wall_time=1.5)
     common = b"\xa3run\xa2r1"
-    assert _bytes(encode(start, publisher="p", number=2)) == [b"run/start", (
-        b"\x8c\xa1v\x01\xa4kind\xa9run_start" + common + b"\xa3seq\x00\xa4step\x00\xa3pub\xa1p\xa1n\x02"
+    frames = encode(start, publisher="p", number=2)
+    assert _bytes(frames) == [b"run/start", (
+        b"\x8f\xa1v\x01\xa4kind\xa9run_start" + common + b"\xa3seq\x00\xa4step\x00\xa3pub\xa1p\xa1n\x02"
         b"\xa7tensors\x90"  # no tensor frames
         b"\xaanum_worlds\x02\xa6device\xa3cpu"
         # "schema": {"batch/obs": {"x": {"dtype": "float32", "shape": [1]}}}
         b"\xa6schema\x81\xa9batch/obs\x81\xa1x\x82\xa5dtype\xa7float32\xa5shape\x91\x01"
         b"\xa8metadata\x81\xa4task\xa4lift"  # "metadata": {"task": "lift"}
+        # "variations": {"mass": {the declaration, its keys in the order given}}
+        b"\xaavariations\x81\xa4mass\x86\xa4kind\xa7uniform\xa5phase\xa7runtime\xa5shape\x90"
+        b"\xa4seed\x07\xa3low\xcb\x3f\xe0\x00\x00\x00\x00\x00\x00\xa4high\x02"
+        b"\xa4seed\x03"  # "seed": 3, the run seed
+        b"\xa9wall_time\xcb\x3f\xf8\x00\x00\x00\x00\x00\x00"  # "wall_time": 1.5, a float64
     )]
+    back = decode(_bytes(frames))
+    assert isinstance(back, RunStart)
+    assert (back.variations, back.seed, back.wall_time) == ({"mass": decl}, 3, 1.5)
+    assert type(back.wall_time) is float
     end = RunEnd("r1", 5, 8, 2, "cpu")
     assert _bytes(encode(end, publisher="p", number=2, streams={"batch/obs": 1})) == [b"run/end", (
-        b"\x8d\xa1v\x01\xa4kind\xa7run_end" + common + b"\xa3seq\x05\xa4step\x08\xa3pub\xa1p\xa1n\x02"
+        b"\xde\x00\x11\xa1v\x01\xa4kind\xa7run_end" + common  # map of 17 entries
+        + b"\xa3seq\x05\xa4step\x08\xa3pub\xa1p\xa1n\x02"
         b"\xa7tensors\x90\xaanum_worlds\x02\xa6device\xa3cpu\xa6schema\x80\xa8metadata\x80"
+        b"\xaavariations\x80\xa4seed\xc0\xa9wall_time\xcb" + b"\x00" * 8  # defaults: {}, nil, 0.0
+        + b"\xabinterrupted\xc2"  # "interrupted": false
         b"\xa7streams\x81\xa9batch/obs\x01"  # messages numbered per topic in this run
     )]
+    stopped = decode(encode(RunEnd("r1", 5, 8, 2, "cpu", interrupted=True)))
+    assert isinstance(stopped, RunEnd)
+    assert stopped.interrupted is True
 
 
 DTYPES = [torch.bool, torch.uint8, torch.int32, torch.int64, torch.float16, torch.bfloat16,
@@ -356,3 +386,58 @@ def test_frames_at_any_alignment_decode_to_aligned_tensors(dtype: torch.dtype, o
     assert got.shape == (2, 3)
     assert got.data_ptr() % dtype.itemsize == 0
     assert torch.equal(got, want)
+
+
+@settings(max_examples=60, deadline=None)
+@given(dtypes=st.lists(st.sampled_from(DTYPES), max_size=4), n=st.integers(0, 5),
+       seed=st.one_of(st.none(), st.integers(-(2**63), 2**64 - 1)),
+       wall=st.floats(0, 1e12, allow_nan=False), data=st.data())
+def test_new_run_and_outcome_fields_round_trip_byte_for_byte(dtypes: list[torch.dtype], n: int, seed: int | None,
+                                                             wall: float, data: st.DataObject) -> None:
+    """Outcomes (any whitelisted dtype), declarations, the run seed and wall times come back as
+    sent: each outcome's bytes, and the declarations equal (types included) to what was sent."""
+    worlds = torch.arange(n)
+    outcomes = {f"o{i}": _values(d, (n,)) for i, d in enumerate(dtypes)}
+    end = EpisodeEnd("r", 3, 4, worlds, worlds, torch.ones(n, dtype=torch.bool), torch.zeros(n, dtype=torch.bool),
+                     torch.zeros(n, dtype=torch.bool), worlds, outcomes=outcomes)
+    got = decode(_bytes(encode(end)))
+    assert isinstance(got, EpisodeEnd)
+    assert list(got.outcomes) == list(outcomes)
+    for name, t in outcomes.items():
+        assert got.outcomes[name].dtype == t.dtype
+        assert got.outcomes[name].numpy().tobytes() == t.numpy().tobytes() if t.dtype != torch.bfloat16 else \
+            got.outcomes[name].view(torch.int16).numpy().tobytes() == t.view(torch.int16).numpy().tobytes()
+    number = st.one_of(st.integers(-(2**53), 2**53), st.floats(allow_nan=False, allow_infinity=False))
+    decl = {"kind": data.draw(st.sampled_from(["uniform", "log_uniform", "normal", "choice", "design"])),
+            "phase": data.draw(st.sampled_from(["build", "runtime"])),
+            "shape": data.draw(st.lists(st.integers(0, 9), max_size=3)),
+            "seed": data.draw(st.integers(-(2**63), 2**64 - 1)),
+            "low": data.draw(st.one_of(st.none(), number, st.lists(number, max_size=3))),
+            "labels": data.draw(st.lists(st.one_of(st.text(max_size=3), st.booleans(), st.integers(0, 9)),
+                                         max_size=3))}
+    for cls in (RunStart, RunEnd):
+        run = cls("r", 0, 0, 2, "cpu", variations={"k": decl}, seed=seed, wall_time=wall)
+        back = decode(_bytes(encode(run)))
+        assert isinstance(back, cls)
+        assert back.variations == {"k": decl}
+        assert [type(v) for v in back.variations["k"].values()] == [type(v) for v in decl.values()]
+        assert back.seed == seed
+        assert type(back.seed) is type(seed)
+        assert back.wall_time == wall
+        assert type(back.wall_time) is float
+
+
+def test_encode_refuses_declarations_receivers_would_reject() -> None:
+    """A malformed declaration fails at the publisher (reason "encode", naming the key), not at
+    every receiver; mapping proxies and tuples are sent as the maps and lists they stand for."""
+    from types import MappingProxyType
+
+    with pytest.raises(WireFormatError, match=r"variation 'mass': declaration 'seed' must be an int, got None") as info:
+        encode(RunStart("r", 0, 0, 2, "cpu", variations={"mass": {"kind": "uniform", "phase": "build",
+                                                                  "shape": [], "seed": None}}))
+    assert info.value.reason == "encode"
+    decl = MappingProxyType({"kind": "choice", "phase": "runtime", "shape": (), "seed": 1, "labels": ("a", "b")})
+    back = decode(encode(RunEnd("r", 0, 0, 2, "cpu", variations=MappingProxyType({"c": decl}))))
+    assert isinstance(back, RunEnd)
+    assert back.variations == {"c": {"kind": "choice", "phase": "runtime", "shape": [], "seed": 1,
+                                     "labels": ["a", "b"]}}

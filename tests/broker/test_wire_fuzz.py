@@ -69,7 +69,9 @@ def _real_messages() -> dict[str, list[bytes]]:
                   torch.zeros(0, dtype=torch.int64), {"pos": torch.zeros(0, 4)})
     end = EpisodeEnd("run-1", 6, 10, w, e, torch.tensor([True, False, False]),
                      torch.tensor([False, True, False]), torch.tensor([False, False, True]),
-                     torch.tensor([5, 12, 1]))
+                     torch.tensor([5, 12, 1]),
+                     outcomes={"return": torch.tensor([1.5, -2.0, 0.0]), "hits": torch.tensor([3, 0, 1]),
+                               "half": torch.tensor([0.5, 1.0, 2.0], dtype=torch.bfloat16)})
     labelled = VariationSample("run-1", 1, 0, "color", "runtime", w, e, torch.tensor([1, 0, 2]),
                                ("red", 2, 1.5, True))
     plain = VariationSample("run-1", 2, 0, "mass", "build", w, e, torch.randn(3, 2, generator=g))
@@ -77,8 +79,19 @@ def _real_messages() -> dict[str, list[bytes]]:
                             "img": FieldSpec("uint8", (2, 2)), "half": FieldSpec("bfloat16", (2,))},
               "batch/act": {"a": FieldSpec("int64", (0, 3))}}
     metadata = {"task": "lift", "seed": 3, "nested": {"a": [1, 2.5, None, True, b"\x00"], "b": {"c": "d"}}}
-    start = RunStart("run-1", 0, 0, 8, "cuda:0", schema, metadata)
-    stop = RunEnd("run-1", 7, 11, 8, "cpu", schema, metadata)
+    variations = {
+        "mass": {"kind": "log_uniform", "phase": "runtime", "shape": [], "seed": 11, "low": 0.1, "high": 10.0},
+        "pos": {"kind": "normal", "phase": "build", "shape": [2], "seed": -4, "mean": [0.0, 1], "std": [1.0, 2.0],
+                "low": None, "high": None},
+        "color": {"kind": "choice", "phase": "runtime", "shape": [], "seed": 2**40, "labels": ["red", 2, 1.5, True],
+                  "weights": None},
+        "grid": {"kind": "design", "phase": "build", "shape": [3], "seed": 0, "low": [0, 0, 0], "high": [1, 2, 3],
+                 "note": {"from": "sobol"}},
+    }
+    start = RunStart("run-1", 0, 0, 8, "cuda:0", schema, metadata, variations=variations, seed=5,
+                     wall_time=1_700_000_000.25)
+    stop = RunEnd("run-1", 7, 11, 8, "cpu", schema, metadata, variations=variations, seed=None, wall_time=0,
+                  interrupted=True)
     envelopes: dict[str, tuple[Any, int, dict[str, int] | None]] = {
         "batch": (batch, 3, None), "empty batch": (empty, 4, None), "episode end": (end, 0, None),
         "labelled variation": (labelled, 1, None), "variation": (plain, 0, None),
@@ -94,10 +107,11 @@ REAL = _real_messages()
 KNOWN_STRINGS = [*DTYPES, "complex64", "object", "batch", "episode_end", "variation", "run_start",
                  "run_end", *HOOKS, "build", "runtime", "worlds", "episodes", "success", "terminated",
                  "truncated", "length", "value", "pos", "done", "batch/obs", "episode/end", "dtype",
-                 "shape", "", "x"]
+                 "shape", "", "x", "uniform", "log_uniform", "normal", "choice", "design", "return"]
 KNOWN_KEYS = ["v", "kind", "run", "seq", "step", "pub", "n", "tensors", "fields", "hook", "key",
               "phase", "labels", "num_worlds", "device", "schema", "metadata", "streams", "dtype",
-              "shape", "extra"]
+              "shape", "extra", "outcomes", "variations", "seed", "wall_time", "interrupted", "low", "high", "mean",
+              "std", "labels", "weights"]
 EDGE_INTS = [0, 1, 2, 3, -1, -2, 2**31, 2**32, 2**53, 2**62, 2**63 - 1, 2**64 - 1, -(2**63)]
 
 
@@ -201,7 +215,7 @@ def _mutate_header(rng: random.Random, head: dict[str, Any]) -> None:
             else:
                 node.clear()
     elif op == 6:  # change a tensor entry's dtype, shape or frame index
-        entries = [e for k in ("tensors", "fields") if isinstance(head.get(k), list)
+        entries = [e for k in ("tensors", "fields", "outcomes") if isinstance(head.get(k), list)
                    for e in head[k] if isinstance(e, list) and len(e) == 4]
         if entries:
             entry = rng.choice(entries)
@@ -309,6 +323,30 @@ def _metadata_ok(value: Any, depth: int = 0) -> None:
         assert value is None or type(value) in (bool, int, float, str, bytes)
 
 
+def _numbers_ok(value: Any) -> bool:
+    if isinstance(value, list):
+        return all(_numbers_ok(v) for v in value)
+    return type(value) in (int, float)
+
+
+def _declaration_ok(key: Any, decl: Any) -> None:
+    """What ``broker/messages.py`` promises about a variation declaration."""
+    assert isinstance(key, str), f"declaration key {key!r}"
+    assert key, "empty declaration key"
+    assert isinstance(decl, dict)
+    assert decl["kind"] in ("uniform", "log_uniform", "normal", "choice", "design"), f"kind {decl['kind']!r}"
+    assert decl["phase"] in ("build", "runtime"), f"phase {decl['phase']!r}"
+    assert type(decl["shape"]) is list
+    assert len(decl["shape"]) <= MAX_DIMS
+    assert all(_count(d) for d in decl["shape"]), f"declaration shape {decl['shape']!r}"
+    assert type(decl["seed"]) is int, f"declaration seed {decl['seed']!r}"
+    for name in ("low", "high", "mean", "std", "weights"):
+        assert decl.get(name) is None or _numbers_ok(decl[name]), f"declaration {name} {decl[name]!r}"
+    labels = decl.get("labels")
+    assert labels is None or (type(labels) is list and all(type(x) in (str, int, float, bool) for x in labels))
+    _metadata_ok(decl)
+
+
 def _bytes_of(t: torch.Tensor) -> bytes:
     return t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
 
@@ -377,6 +415,16 @@ def check_contract(decoded: Decoded, frames: list[bytes]) -> None:
             "schema differs from the header's"
         assert _same(head["metadata"], m.metadata), "metadata differs from the header's"
         assert _same(head["streams"] if isinstance(m, RunEnd) else {}, dict(decoded.streams)), "streams differ"
+        assert _same(head["variations"], m.variations), "variations differ from the header's"
+        for key, decl in m.variations.items():
+            _declaration_ok(key, decl)
+        assert m.seed is None or (type(m.seed) is int and -(2**63) <= m.seed < 2**64)
+        assert type(m.wall_time) is float
+        assert math.isfinite(m.wall_time)
+        assert m.wall_time >= 0
+        assert _same(head["wall_time"], m.wall_time), "wall_time differs from the header's"
+        if isinstance(m, RunEnd):
+            assert _same(head["interrupted"], m.interrupted), "interrupted differs from the header's"
         return
     n = _vector(m.worlds, torch.int64)
     _vector(m.episodes, torch.int64, n)
@@ -398,7 +446,13 @@ def check_contract(decoded: Decoded, frames: list[bytes]) -> None:
         _vector(m.length, torch.int64, n)
         tensors |= {"success": m.success, "terminated": m.terminated, "truncated": m.truncated,
                     "length": m.length}
-        fields = {}
+        assert isinstance(m.outcomes, dict)
+        for name, t in m.outcomes.items():
+            assert isinstance(name, str), f"outcome name {name!r}"
+            assert name, "empty outcome name"
+            _vector(t, t.dtype, n)
+            _tensor_ok(t, n)
+        fields = m.outcomes
     else:
         assert isinstance(m, VariationSample)
         assert isinstance(m.key, str)
@@ -416,7 +470,8 @@ def check_contract(decoded: Decoded, frames: list[bytes]) -> None:
     assert set(own) == set(tensors)
     for name, frame in own.items():
         assert _bytes_of(tensors[name]) == frames[2 + frame], name
-    named = {e[0]: e[3] for e in head.get("fields", [])} if isinstance(m, Batch) else {}
+    named_key = "fields" if isinstance(m, Batch) else "outcomes" if isinstance(m, EpisodeEnd) else None
+    named = {e[0]: e[3] for e in head[named_key]} if named_key is not None else {}
     assert set(named) == set(fields)
     for name, frame in named.items():
         assert _bytes_of(fields[name]) == frames[2 + frame], name
@@ -485,6 +540,73 @@ ESCAPES: list[tuple[str, str, tuple[Any, ...], Any, str, str]] = [
     ("version float", "batch", ("v",), 1.0, "version", r"unsupported protocol version 1.0 \(this codec speaks version 1\)"),
 ]
 
+# The fields of issue 12 (declarations, the run seed, wall times, episode outcomes): each
+# malformed value is refused with the codec's error, none is read as a default or coerced.
+V = ("variations", "mass")
+NEW_FIELDS: list[tuple[str, str, tuple[Any, ...], Any, str, str]] = [
+    ("variations missing", "run start", ("variations",), DROP, "header",
+     "header key 'variations' must map variation keys to declarations, got no such key"),
+    ("variations list", "run end", ("variations",), [1], "header", "must map variation keys to declarations"),
+    ("variation key empty", "run start", ("variations", ""), {}, "header", "expected a non-empty str key"),
+    ("variation key bytes", "run start", ("variations", b"m"), {}, "header", "expected a non-empty str key"),
+    ("declaration list", "run start", V, [1], "header", r"expected a declaration map with str keys, got \[1\]"),
+    ("declaration bytes key", "run start", (*V, b"k"), 1, "header", "expected a declaration map with str keys"),
+    ("declaration kind missing", "run start", (*V, "kind"), DROP, "header", "declaration 'kind' must be one of"),
+    ("declaration kind unknown", "run end", (*V, "kind"), "sobol", "header", "got 'sobol'"),
+    ("declaration phase", "run start", (*V, "phase"), "interval", "header", "declaration 'phase' must be"),
+    ("declaration shape str", "run start", (*V, "shape"), "3", "header", "declaration 'shape' must be a list"),
+    ("declaration shape bool", "run start", (*V, "shape"), [True], "header", "declaration 'shape'"),
+    ("declaration shape negative", "run start", (*V, "shape"), [-1], "header", "declaration 'shape'"),
+    ("declaration shape deep", "run start", (*V, "shape"), [1] * 33, "header", "declaration 'shape'"),
+    ("declaration seed missing", "run start", (*V, "seed"), DROP, "header", "declaration 'seed' must be an int"),
+    ("declaration seed float", "run start", (*V, "seed"), 1.0, "header", "declaration 'seed' must be an int, got 1.0"),
+    ("declaration seed bool", "run start", (*V, "seed"), True, "header", "declaration 'seed'"),
+    ("declaration low str", "run start", (*V, "low"), "0.1", "header", "declaration 'low' must be nil, a number"),
+    ("declaration high bool", "run end", (*V, "high"), True, "header", "declaration 'high'"),
+    ("declaration std nested str", "run start", ("variations", "pos", "std"), [1.0, ["x"]], "header",
+     "declaration 'std'"),
+    ("declaration labels map", "run start", ("variations", "color", "labels"), {"a": 1}, "header",
+     "declaration 'labels' must be a list"),
+    ("declaration labels nested", "run start", ("variations", "color", "labels"), [["red"]], "header",
+     "declaration 'labels'"),
+    ("declaration extra ext", "run start", ("variations", "grid", "note"), msgpack.ExtType(5, b"x"), "header",
+     "ext type 5"),
+    ("declaration extra timestamp", "run start", ("variations", "grid", "note"), msgpack.Timestamp(1, 0),
+     "header", "not part of the protocol"),
+    ("seed missing", "run start", ("seed",), DROP, "header", "header key 'seed' must be nil or an int, got no such key"),
+    ("seed float", "run end", ("seed",), 5.0, "header", "header key 'seed' must be nil or an int, got 5.0"),
+    ("seed str", "run start", ("seed",), "5", "header", "header key 'seed'"),
+    ("seed bool", "run start", ("seed",), False, "header", "header key 'seed'"),
+    ("wall_time missing", "run start", ("wall_time",), DROP, "header",
+     "header key 'wall_time' must be a finite float of seconds >= 0, got no such key"),
+    ("wall_time nil", "run end", ("wall_time",), None, "header", "'wall_time'"),
+    ("wall_time nan", "run start", ("wall_time",), math.nan, "header", "'wall_time'"),
+    ("wall_time inf", "run start", ("wall_time",), math.inf, "header", "'wall_time'"),
+    ("wall_time negative", "run start", ("wall_time",), -1.0, "header", "'wall_time'"),
+    ("wall_time bool", "run start", ("wall_time",), True, "header", "'wall_time'"),
+    ("wall_time str", "run start", ("wall_time",), "now", "header", "'wall_time'"),
+    ("wall_time int", "run start", ("wall_time",), 2**63 - 1, "header", "'wall_time' must be a finite float"),
+    ("interrupted missing", "run end", ("interrupted",), DROP, "header",
+     "header key 'interrupted' must be a bool, got no such key"),
+    ("interrupted int", "run end", ("interrupted",), 1, "header", "header key 'interrupted' must be a bool, got 1"),
+    ("interrupted nil", "run end", ("interrupted",), None, "header", "'interrupted'"),
+    ("outcomes missing", "episode end", ("outcomes",), DROP, "header",
+     "header key 'outcomes' must be a list, got None"),
+    ("outcomes map", "episode end", ("outcomes",), {"return": 1}, "header", "header key 'outcomes' must be a list"),
+    ("outcome entry short", "episode end", ("outcomes", 0), ["return", "float32", [3]], "header",
+     r"outcomes entry must be \[name, dtype, shape, frame\]"),
+    ("outcome dtype", "episode end", ("outcomes", 0, 1), "complex64", "dtype", "dtype 'complex64' is not on"),
+    ("outcome rows", "episode end", ("outcomes", 0, 2), [1, 3], "schema",
+     r"outcome 'return': expected a non-empty name and a tensor of shape \(3,\), got shape \(1, 3\)"),
+    ("outcome short frame", "episode end", ("outcomes", 0, 2), [2], "shape", "needs 8 bytes, frame has 12"),
+    ("outcome 2-D", "episode end", ("outcomes", 2, 2), [3, 1], "schema",
+     r"outcome 'half': expected a non-empty name and a tensor of shape \(3,\), got shape \(3, 1\)"),
+    ("outcome scalar", "episode end", ("outcomes", 1, 2), [], "shape", "needs 8 bytes, frame has 24"),
+    ("outcome name empty", "episode end", ("outcomes", 0, 0), "", "schema", "expected a non-empty name"),
+    ("outcome name duplicate", "episode end", ("outcomes", 1, 0), "return", "schema", "duplicate outcomes names"),
+    ("outcome frame reused", "episode end", ("outcomes", 0, 3), 5, "header", "are not each of"),
+]
+
 # Named by the review but already rejected with the codec's error before the hardening: pinned
 # so they stay rejected (with their reason and message).
 PINNED: list[tuple[str, str, tuple[Any, ...], Any, str, str]] = [
@@ -523,8 +645,9 @@ def edited(name: str, path: tuple[Any, ...], value: Any) -> list[bytes]:
     return frames
 
 
-@pytest.mark.parametrize(("name", "path", "value", "reason", "match"), [c[1:] for c in ESCAPES + PINNED],
-                         ids=[c[0] for c in ESCAPES + PINNED])
+@pytest.mark.parametrize(("name", "path", "value", "reason", "match"),
+                         [c[1:] for c in ESCAPES + PINNED + NEW_FIELDS],
+                         ids=[c[0] for c in ESCAPES + PINNED + NEW_FIELDS])
 def test_corpus_is_rejected_with_reason(name: str, path: tuple[Any, ...], value: Any, reason: str,
                                         match: str) -> None:
     with pytest.raises(WireFormatError, match=match) as info:

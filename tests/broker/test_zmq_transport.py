@@ -292,9 +292,12 @@ def test_close_flushes_and_sends_run_end(make_pub: MakePub, make_sub: MakeSub,
     sub = make_sub(pub.endpoints[0])
     pub.wait_for_subscribers(1, timeout=10)
     broker.subscribe("", pub)
-    broker.publish(RunStart("run-a", 0, 0, 4, "cpu", {}, {"task": "lift"}))
+    declaration = {"kind": "uniform", "phase": "runtime", "shape": [], "seed": 5, "low": 0.0, "high": 1.0}
+    broker.publish(RunStart("run-a", 0, 0, 4, "cpu", {}, {"task": "lift"}, variations={"mass": declaration},
+                            seed=9, wall_time=1.0))
     for i in range(1, 21):
         broker.publish(batch(i, width=BIG))
+    before = time.time()
     closer = threading.Thread(target=pub.close)  # right away: everything queued is still delivered
     closer.start()
     got = drain(sub)
@@ -306,6 +309,10 @@ def test_close_flushes_and_sends_run_end(make_pub: MakePub, make_sub: MakeSub,
     assert end.step == 20
     assert end.num_worlds == 4
     assert end.metadata == {"task": "lift"}
+    # The run's own RunEnd never came: the one close() makes says so, and keeps the run's fields.
+    assert end.interrupted is True
+    assert (end.variations, end.seed) == ({"mass": declaration}, 9)
+    assert end.wall_time >= before
     with pytest.raises(BrokerClosedError, match=r"publish on topic 'batch/obs' after close\(\)"):
         pub(batch(30))
 

@@ -1,5 +1,8 @@
 from __future__ import annotations
 
+import time
+from typing import Any
+
 import pytest
 import torch
 
@@ -213,3 +216,88 @@ def test_closed_recorder_refuses(broker: Broker, collect: Collect) -> None:
     assert [type(m).__name__ for m in collect.messages] == ["RunStart", "RunEnd"]
     with pytest.raises(RecorderClosedError, match="recorder of run 'x' is closed"):
         rec.record_pre_reset(0)
+
+
+def test_run_bounds_carry_seed_wall_time_and_declarations(broker: Broker, collect: Collect) -> None:
+    """Catches a run without its seed, its wall-clock start/end, or a declaration made after
+    RunStart missing from RunEnd."""
+    before = time.time()
+    rec = Recorder(2, broker=broker, run="r", seed=2**64 - 1)
+    rec.declare_variation("mass", {"kind": "uniform", "phase": "build", "shape": [], "seed": 1,
+                                   "low": 0.0, "high": 1.0})
+    rec.start()
+    late: dict[str, Any] = {"kind": "choice", "phase": "runtime", "shape": [], "seed": 2, "labels": ["a"],
+            "weights": None}
+    rec.declare_variation("object", late)
+    late["labels"].append("b")  # the recorder keeps its own copy
+    rec.close()
+    after = time.time()
+    (start,), (end,) = collect.of(RunStart), collect.of(RunEnd)
+    assert start.seed == end.seed == 2**64 - 1
+    assert before <= start.wall_time <= end.wall_time <= after
+    assert list(start.variations) == ["mass"]
+    assert list(end.variations) == ["mass", "object"]
+    assert end.variations["object"]["labels"] == ["a"]
+    got = rec.variations
+    got["mass"]["low"] = 5.0  # a deep copy
+    assert rec.variations["mass"]["low"] == 0.0
+    assert Recorder(1).seed == 0
+
+
+@pytest.mark.parametrize("seed", [-1, 2**64, True, 1.0, None])
+def test_bad_run_seed(seed: object) -> None:
+    with pytest.raises(ValueError, match=r"seed: expected an int in \[0, 2\*\*64\), got"):
+        Recorder(2, seed=seed)  # type: ignore[arg-type]
+
+
+def test_bad_declarations(broker: Broker) -> None:
+    rec = Recorder(2, broker=broker)
+    with pytest.raises(ValueError, match=r"key: expected a non-empty variation key without "
+                                         r"whitespace, got 'a b'"):
+        rec.declare_variation("a b", {})
+    with pytest.raises(ValueError, match=r"declaration of 'k': expected a mapping with str keys, "
+                                         r"got \[1\]"):
+        rec.declare_variation("k", [1])  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"expected a mapping with str keys, got \{1: 2\}"):
+        rec.declare_variation("k", {1: 2})  # type: ignore[dict-item]
+    rec.close()
+    with pytest.raises(RecorderClosedError):
+        rec.declare_variation("k", {})
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_step_of_some_worlds_publishes_their_rows_and_advances_their_lengths_only(
+        device: str, broker: Broker, collect: Collect) -> None:
+    """Catches: a vectorized env's reset-inside-a-step (gymnasium NEXT_STEP) recorded as a
+    transition of the world's episode (rows of worlds that did not step published, or their
+    episode length counting the step)."""
+    state = torch.arange(12, dtype=torch.float32, device=device).reshape(4, 3)
+    rec = Recorder(4, device, broker)
+    rec.add_term("t", FunctionTerm(post_step=lambda: {"x": state}))
+    rec.record_post_step(worlds=[2, 0])
+    rec.record_post_step()
+    (first, second) = collect.of(Batch)
+    assert first.worlds.tolist() == [2, 0]
+    assert first.step == 0
+    assert torch.equal(first.fields["x"].cpu(), state.cpu()[[2, 0]])
+    assert second.worlds.tolist() == [0, 1, 2, 3]
+    assert second.step == 1
+    assert rec.episode_length.tolist() == [2, 1, 2, 1]
+    assert rec.step == 2
+    rec.record_post_step(worlds=[])
+    assert rec.step == 3
+    assert len(collect.of(Batch)) == 2
+    assert rec.episode_length.tolist() == [2, 1, 2, 1]
+
+
+def test_close_marks_an_interrupted_run(broker: Broker, collect: Collect) -> None:
+    """Catches: a run stopped by Ctrl-C or an error stored as ``complete``."""
+    Recorder(2, "cpu", broker).close()
+    Recorder(2, "cpu", broker).close(interrupted=True)
+    with pytest.raises(KeyboardInterrupt), Recorder(2, "cpu", broker):
+        raise KeyboardInterrupt
+    with Recorder(2, "cpu", broker):
+        pass
+    assert [m.interrupted for m in collect.of(RunEnd)] == [False, True, True, False]
+    with pytest.raises(TypeError, match="interrupted"):
+        Recorder(2, "cpu", broker).close(interrupted="yes")  # type: ignore[arg-type]

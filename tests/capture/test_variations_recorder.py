@@ -340,3 +340,40 @@ def test_cuda_draws_are_published_and_recorded_on_the_device() -> None:
     assert sample.worlds.device.type == "cuda"
     assert vr["friction"].draws[0].value.device.type == "cuda"
     assert vr.sample_for_episode(3, 0)["friction"].value.device.type == "cuda"
+
+
+def test_a_runtime_draw_in_the_middle_of_an_episode_is_refused() -> None:
+    """Catches a runtime draw for a world whose episode has already stepped being accepted:
+    it was tagged with that episode and silently replaced the factor the episode had run
+    with (the table then showed a value the episode ran with for part of its steps only)."""
+    recorder, messages = _setup()
+    friction = _var("friction", UniformCfg(0, 1, seed=1))
+    vr = VariationRecorder(recorder)
+    vr.attach(friction)
+    start = friction.sample(4).clone()  # before the first step: fine
+    recorder.record_pre_step()
+    recorder.record_post_step()
+    recorder.record_pre_reset([2])
+    recorder.record_post_reset([2])
+    with pytest.raises(VariationError, match=r"variation 'friction': a runtime draw at step 1 for "
+                                             r"worlds whose current episode has already stepped: "
+                                             r"world 0 \(at step 1 of its episode\), world 3 \(at "
+                                             r"step 1 of its episode\); .* draw it at reset, after "
+                                             r"record_pre_reset\(worlds\) and before the first step"):
+        friction.sample(3, [0, 2, 3])
+    assert [s.value.tolist() for s in _samples(messages)] == [start.tolist()]  # nothing published
+    assert vr["friction"].count == 1
+    assert torch.equal(vr.sample_for_episode(0, 0)["friction"].value, start[0])
+    fresh = friction.sample(1, [2])  # world 2 has just reset: its new episode has not stepped
+    assert _samples(messages)[-1].episodes.tolist() == [1]
+    assert torch.equal(vr.sample_for_episode(2, 1)["friction"].value, fresh[0])
+
+
+def test_a_mid_episode_refusal_lists_at_most_eight_worlds() -> None:
+    recorder, _ = _setup(num_worlds=20)
+    friction = _var("friction", UniformCfg(0, 1))
+    VariationRecorder(recorder).attach(friction)
+    recorder.record_post_step()
+    recorder.record_post_step()
+    with pytest.raises(VariationError, match=r"world 7 \(at step 2 of its episode\) and 12 more;"):
+        friction.sample(20)

@@ -31,11 +31,12 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA de
 def test_exported_surface() -> None:
     assert variations.__all__ == sorted(variations.__all__)
     assert set(variations.__all__) == {
-        "Bounds", "ChoiceCfg", "ChoiceSampler", "EpisodeSample", "LogUniformCfg",
+        "Bounds", "ChoiceCfg", "ChoiceSampler", "DesignCfg", "DesignSampler", "EpisodeSample",
+        "LogUniformCfg",
         "LogUniformSampler", "NormalCfg", "NormalSampler", "SampleListener", "Sampler",
         "SamplerCfg", "UniformCfg", "UniformSampler", "Variation", "VariationCfg",
         "VariationDraw", "VariationError", "VariationRecord", "VariationRecorder",
-        "VariationSummary",
+        "VariationSummary", "derive_seed",
     }
     for name in variations.__all__:
         assert getattr(variations, name) is not None

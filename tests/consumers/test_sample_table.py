@@ -198,3 +198,76 @@ def test_joins_a_real_recorder_loop_on_a_strict_broker() -> None:
         assert row["mass[0]"] == pytest.approx(float(build[w, 0]))
         assert row["mass[1]"] == pytest.approx(float(build[w, 1]))
     assert broker.statistics().consumer_errors == 0
+
+
+def _end_with(worlds: torch.Tensor, episodes: torch.Tensor, outcomes: dict[str, torch.Tensor],
+              run: str = "r") -> EpisodeEnd:
+    n = worlds.shape[0]
+    return EpisodeEnd(run, 0, 0, worlds, episodes, torch.ones(n, dtype=torch.bool), torch.zeros(n, dtype=torch.bool),
+                      torch.zeros(n, dtype=torch.bool), torch.full((n,), 4), outcomes=outcomes)
+
+
+def test_outcomes_are_extra_y_columns_sorted_by_name_nan_where_missing() -> None:
+    """Bug caught: EpisodeEnd.outcomes (e.g. the return) never reached the (X, Y) table, so no
+    analysis could use them; an outcome one message lacks must be NaN there, not 0 or a
+    neighbour's value, and the values must be owned copies."""
+    table = SampleTable()
+    ret = torch.tensor([1.5, -2.0])
+    table(_end_with(_i(0, 1), _i(0, 0), {"return": ret}))
+    ret.fill_(99)  # borrowed: the publisher reuses it
+    table(_end_with(_i(2), _i(0), {"hits": torch.tensor([3], dtype=torch.int32),
+                                   "return": torch.tensor([0.25], dtype=torch.float64)}))
+    table(_end_with(_i(0), _i(1), {"done": torch.tensor([True])}))
+    table(_end_with(_i(1), _i(1), {}))
+    a = table.arrays()
+    assert a.y_columns == table.y_columns == (*OUTCOME_COLUMNS, "done", "hits", "return")
+    assert table.columns[-3:] == ("done", "hits", "return")
+    nan = float("nan")
+    want = np.array([[nan, nan, 1.5], [nan, nan, -2.0], [nan, 3.0, 0.25], [1.0, nan, nan], [nan, nan, nan]])
+    assert a.y[:, len(OUTCOME_COLUMNS):].tobytes() == want.tobytes()
+    assert a.y[:, :len(OUTCOME_COLUMNS)].tobytes() == np.array([[1, 0, 0, 4]] * 5, np.float64).tobytes()
+    rows = table.rows()
+    assert rows[0]["return"] == 1.5
+    assert math.isnan(rows[0]["hits"])
+    assert rows[2]["hits"] == 3.0
+
+
+@pytest.mark.parametrize(("outcomes", "match"), [
+    ({"success": torch.ones(2)}, "outcome name 'success' must be a non-empty str not in"),
+    ({"world": torch.ones(2)}, "outcome name 'world'"),
+    ({"": torch.ones(2)}, "outcome name ''"),
+    ({"r": torch.ones(3)}, r"outcome 'r': expected a 1-D numeric tensor of 2 values, got torch.float32 of shape \(3,\)"),
+    ({"r": torch.ones(2, 2)}, r"got torch.float32 of shape \(2, 2\)"),
+    ({"r": torch.ones(2, dtype=torch.complex64)}, "torch.complex64"),
+    ({"r": [1.0, 2.0]}, "got list"),
+])
+def test_bad_outcomes_are_rejected(outcomes: dict[str, object], match: str) -> None:
+    table = SampleTable()
+    with pytest.raises(ValueError, match=match):
+        table(_end_with(_i(0, 1), _i(0, 0), outcomes))  # type: ignore[arg-type]
+    assert len(table) == 0
+    assert table.y_columns == OUTCOME_COLUMNS
+
+
+def test_keeps_the_declarations_of_run_start_and_run_end() -> None:
+    """Bug caught: the live table dropped the run's variation declarations, so a live analysis
+    had no bounds; RunEnd's declarations replace RunStart's key by key, and runs stay apart."""
+    from broker import RunStart
+
+    broker = Broker(strict=True)
+    table = SampleTable()
+    table.attach(broker)
+    mass = {"kind": "uniform", "phase": "build", "shape": [], "seed": 1, "low": 0.5, "high": 2.0}
+    obj = {"kind": "choice", "phase": "runtime", "shape": [], "seed": 2, "labels": ["cube", "ball"], "weights": None}
+    broker.publish(RunStart("a", 0, 0, 2, "cpu", variations={"mass": mass}, seed=9))
+    assert table.declarations("a") == {"mass": mass}
+    table.declarations("a")["mass"]["low"] = -1  # an owned copy
+    assert table.declarations("a")["mass"]["low"] == 0.5
+    broker.publish(RunStart("b", 0, 0, 2, "cpu", variations={"object": obj}))
+    broker.publish(RunEnd("a", 1, 0, 2, "cpu", variations={"mass": {**mass, "high": 3.0}, "object": obj}))
+    assert table.declarations("a") == {"mass": {**mass, "high": 3.0}, "object": obj}
+    assert table.declarations("b") == {"object": obj}
+    assert table.variations == {"mass": {**mass, "high": 3.0}, "object": obj}
+    assert table.seed("a") == 9
+    assert table.seed("b") is None
+    assert table.declarations("unknown") == {}

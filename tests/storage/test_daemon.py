@@ -196,3 +196,55 @@ def test_a_run_end_missed_while_down_is_sent_again_and_finishes_the_run(spawn: o
     assert info["status"] == "complete"
     assert info["resumed"] == 1
     assert len(reader.gaps("run-a")) >= 1  # what it missed while down is recorded
+
+
+def test_run_fields_and_outcomes_through_the_wire_and_a_daemon_process(spawn: object, tmp_path: Path) -> None:
+    """Issue 12 end to end over real sockets and processes: declarations, seed and wall times
+    of RunStart/RunEnd and the changing EpisodeEnd outcomes are stored by a ``worldtap-store``
+    process, and the store's (X, Y) table equals, byte for byte, the one a live remote
+    subscriber built from the same stream. Bug caught: any of these fields lost or altered on
+    the wire (encoder, decoder) or in the daemon (RunStart/RunEnd handling, outcome columns)."""
+    import numpy as np
+    from test_run_fields import FRICTION, MASS, Run, _expected_column, _publish_run
+
+    from broker import Broker, RunEnd, Subscriber
+    from consumers.sample_table import SampleTable
+
+    pub = spawn(str(Path(__file__).with_name("run_fields_pub.py")), "--subscribers", "2")  # type: ignore[operator]
+    endpoint = pub.wait_line("tcp://", stream="out").strip()
+    store = tmp_path / "runs.zarr"
+    proc = daemon(spawn, store, "--connect", endpoint, "--exit-after-runs", "1")
+    live = SampleTable()
+    sub = Subscriber(endpoint)
+    try:
+        deadline = time.monotonic() + 30.0
+        while time.monotonic() < deadline:
+            item = sub.recv(timeout=1.0)
+            if item is not None:
+                live(item)  # type: ignore[arg-type]
+                if isinstance(item, RunEnd):
+                    break
+        else:
+            raise AssertionError(f"no RunEnd within 30 s: {pub.stderr[-2000:]}")
+        assert sub.statistics().bad_messages == 0
+    finally:
+        sub.close()
+    assert proc.wait() == 0, proc.stderr
+    assert pub.wait() == 0, pub.stderr
+    expected = Run(Broker())
+    _publish_run(expected)  # the same messages, replayed here without a transport
+    reader = RunStore(store)
+    info = reader.info("run-a")
+    assert info["variations"] == {"mass": MASS, "friction": FRICTION}
+    assert (info["seed"], info["started_at"], info["ended_at"]) == (42, 1000.5, 2000.25)
+    table = reader.episodes("run-a")
+    assert len(table) == 6
+    for name in ("hits", "ok", "return"):
+        assert table[name].tobytes() == _expected_column(expected, table, name), name
+    a, b = reader.variation_table("run-a").arrays(), live.arrays()
+    assert a.y_columns == b.y_columns
+    assert a.x_columns == b.x_columns
+    order_a, order_b = np.lexsort((a.episode, a.world)), np.lexsort((b.episode, b.world))
+    for field in ("world", "episode", "x", "y"):
+        assert getattr(a, field)[order_a].tobytes() == getattr(b, field)[order_b].tobytes(), field
+    assert live.declarations("run-a") == {"mass": MASS, "friction": FRICTION}

@@ -1,0 +1,212 @@
+"""The live analysis as a remote subscriber over real ZeroMQ sockets (tcp and ipc loopback):
+it receives the run byte for byte, ends at the run's RunEnd with the same ranking as an
+analysis of the same data in process, and stops cleanly on request and on Ctrl-C."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import queue
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from test_sensitivity import TRUE, Kept, publish_run
+
+from broker import Broker, RunEnd, ZmqPublisher
+from consumers import SampleTable
+from consumers.sensitivity import Analysis, LiveResult, analyze, run_live
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(params=["tcp", "ipc"])
+def endpoint(request: pytest.FixtureRequest) -> Iterator[str]:
+    """A bindable loopback endpoint (ipc: in a short temporary folder)."""
+    if request.param == "tcp":
+        yield "tcp://127.0.0.1:*"
+        return
+    with tempfile.TemporaryDirectory(prefix="wt-") as short:
+        yield f"ipc://{short}/live.ipc"
+
+
+@pytest.fixture
+def publisher(endpoint: str) -> Iterator[ZmqPublisher]:
+    pub = ZmqPublisher(endpoint, send_timeout=20.0)
+    try:
+        yield pub
+    finally:
+        pub.close(timeout=1.0)
+
+
+class Background:
+    """Runs ``run_live`` on a thread; its result or exception is kept; stopped at teardown."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        self.stop = threading.Event()
+        self.result: LiveResult | None = None
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, kwargs=kwargs, daemon=True)
+        self.thread.start()
+
+    def _run(self, **kwargs: Any) -> None:
+        try:
+            self.result = run_live(stop=self.stop, **kwargs)
+        except BaseException as exc:  # handed to the test
+            self.error = exc
+
+    def join(self, timeout: float) -> LiveResult:
+        self.thread.join(timeout)
+        assert not self.thread.is_alive(), "run_live did not return"
+        if self.error is not None:
+            raise self.error
+        assert self.result is not None
+        return self.result
+
+
+@pytest.fixture
+def background() -> Iterator[Callable[..., Background]]:
+    made: list[Background] = []
+
+    def make(**kwargs: Any) -> Background:
+        made.append(Background(**kwargs))
+        return made[-1]
+
+    yield make
+    for b in made:
+        b.stop.set()
+        b.thread.join(30)
+
+
+def test_live_analysis_ends_at_run_end(publisher: ZmqPublisher, background: Callable[..., Background],
+                                       tmp_path: Path) -> None:
+    """The subscriber takes run/ as well as variation/ and episode/, so it ends at the run's
+    RunEnd (the README's remote loop filtered run/ out and never ended); what it analysed is
+    byte for byte the table built in process, and its indices are those of the same analysis
+    in process: the true factors above the dummy, the others below."""
+    live = background(endpoint=publisher.endpoints[0], out=tmp_path / "out", every=500,
+                      outputs=["success", "length"], resamples=20, seed=3, fractions=(0.75,))
+    publisher.wait_for_subscribers(1, timeout=20)
+    local, kept = SampleTable(), Kept()
+    with Broker(strict=True) as broker:
+        broker.subscribe("", publisher)
+        local.attach(broker)
+        broker.subscribe("run/", kept)
+        publish_run(broker)
+    publisher.close(timeout=20)  # returns once the RunEnd is confirmed
+    result = live.join(120)
+    assert result.ended
+    assert not result.interrupted
+    assert result.run == "known"
+    assert result.gaps == 0
+    assert result.recomputed >= 1
+    mine, theirs = local.arrays(), result.arrays
+    assert theirs is not None
+    assert theirs.x_columns == mine.x_columns
+    assert theirs.x.tobytes() == mine.x.tobytes()
+    assert theirs.y.tobytes() == mine.y.tobytes()
+    end = next(m for m in kept.messages if isinstance(m, RunEnd))
+    assert result.declarations == {k: dict(v) for k, v in end.variations.items()}
+    final = result.analysis
+    assert final is not None
+    expected = analyze(mine, result.declarations, run="known", outputs=["success", "length"],
+                       resamples=20, seed=3, fractions=(0.75,))
+    assert json.dumps([r.as_dict() for r in final.indices]) == json.dumps(
+        [r.as_dict() for r in expected.indices])  # NaN where a method does not fit compares equal
+    assert set(final.influential("success", "pawn")) == TRUE
+    assert final.influential("length", "pawn") == ["a"]
+    assert final.influential("success", "pawn", control="shuffled") == []
+    assert set(result.paths) == {"indices.csv", "indices.json", "rates.csv", "sensitivity.png",
+                                 "convergence.png"}
+    assert all(p.stat().st_size > 0 for p in result.paths.values())
+
+
+def test_live_stop_writes_what_arrived(publisher: ZmqPublisher, background: Callable[..., Background],
+                                       tmp_path: Path) -> None:
+    """Stopped in the middle of a run (what Ctrl-C does), it analyses the episodes that arrived
+    and writes its outputs; provisional results came before."""
+    first: queue.Queue[Analysis] = queue.Queue()
+    live = background(endpoint=publisher.endpoints[0], out=tmp_path / "out", every=100,
+                      outputs=["success"], methods=["pawn"], resamples=10, fractions=(),
+                      on_result=first.put)
+    publisher.wait_for_subscribers(1, timeout=20)
+    with Broker(strict=True) as broker:
+        broker.subscribe("", publisher)
+        publish_run(broker, episodes=300, close=False)
+        provisional = first.get(timeout=60)  # the readiness signal: a recomputation happened
+        live.stop.set()
+        result = live.join(60)
+    assert provisional.episodes >= 100
+    assert result.interrupted
+    assert not result.ended
+    assert result.analysis is not None
+    assert result.episodes >= provisional.episodes
+    assert (tmp_path / "out" / "indices.json").stat().st_size > 0
+
+
+@pytest.fixture
+def tcp_publisher() -> Iterator[ZmqPublisher]:
+    pub = ZmqPublisher("tcp://127.0.0.1:*", send_timeout=20.0)
+    try:
+        yield pub
+    finally:
+        pub.close(timeout=1.0)
+
+
+def test_ctrl_c_ends_the_command_cleanly(tcp_publisher: ZmqPublisher, tmp_path: Path) -> None:
+    """``python -m consumers.sensitivity --connect`` interrupted by SIGINT in the middle of a run
+    exits 0 without a traceback and leaves its outputs (one transport: a subprocess is slow)."""
+    publisher = tcp_publisher
+    out = tmp_path / "out"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "consumers.sensitivity", "--connect", publisher.endpoints[0],
+         "--out", str(out), "--every", "100000", "--resamples", "5", "--outputs", "success",
+         "--methods", "pawn"],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT)})
+    lines: queue.Queue[str] = queue.Queue()
+    err: list[str] = []
+    out_lines: list[str] = []
+
+    def pump(stream: Any, keep: list[str], signal_to: queue.Queue[str] | None) -> None:
+        for line in stream:
+            keep.append(line)
+            if signal_to is not None:
+                signal_to.put(line)
+
+    readers = [threading.Thread(target=pump, args=(proc.stderr, err, lines), daemon=True),
+               threading.Thread(target=pump, args=(proc.stdout, out_lines, None), daemon=True)]
+    for reader in readers:
+        reader.start()
+    try:
+        publisher.wait_for_subscribers(1, timeout=60)
+        with Broker(strict=True) as broker:
+            broker.subscribe("", publisher)
+            publish_run(broker, episodes=200, close=False)
+            while "receiving finished episodes" not in lines.get(timeout=60):  # readiness
+                pass
+            proc.send_signal(signal.SIGINT)
+            proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+        for reader in readers:
+            reader.join(10)
+        for stream in (proc.stdout, proc.stderr):
+            with contextlib.suppress(Exception):
+                stream.close()  # type: ignore[union-attr]
+    stdout = "".join(out_lines)
+    stderr = "".join(err)
+    assert proc.returncode == 0, stderr
+    assert "Traceback" not in stderr
+    assert "interrupted after" in stderr
+    assert (out / "indices.json").stat().st_size > 0
+    assert "indices.json: " in stdout
