@@ -14,7 +14,7 @@ import math
 import os
 import re
 import uuid
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final, Literal, TypeAlias
 
@@ -38,7 +38,10 @@ __all__ = [
     "FORMAT_VERSION",
     "GAP_COLUMNS",
     "HOOKS",
+    "HOOK_NODE",
+    "ROW_DTYPES",
     "SEGMENT_COLUMNS",
+    "STEP_NODE",
     "TABLE_CHUNK",
     "VAR_COLUMNS",
     "Compression",
@@ -63,6 +66,13 @@ FORMAT_VERSION: Final = 2
 (crc32c), every chunk written (tables too), bfloat16 fields stored as their bits."""
 HOOKS: Final = ("pre_step", "post_step", "pre_reset", "post_reset")
 """Lifecycle points, in the order of their codes in ``data/<term>/_hook``."""
+STEP_NODE: Final = "_step"
+HOOK_NODE: Final = "_hook"
+"""Nodes of a term's row columns in ``data/<term>/``: the global step (int64) and the lifecycle
+code (uint8, into :data:`HOOKS`) of each row. They are no fields: a field's node is always
+:func:`node_name` of its name, which escapes a leading ``_`` (a field named ``_step`` is node
+``%5Fstep``), so no field can land on them."""
+ROW_DTYPES: Final[Mapping[str, str]] = {STEP_NODE: "int64", HOOK_NODE: "uint8"}
 
 EPISODE_COLUMNS: Final[Mapping[str, str]] = {
     "world": "int64", "index": "int64", "length": "int64", "success": "bool",
@@ -103,7 +113,8 @@ _PLAIN: Final = re.compile(rb"[A-Za-z0-9\-]")
 def node_name(name: str) -> str:
     """The zarr node name of a run id, term, field or variation key: the same name always gives
     the same node, different names never collide, and no name can climb out of its group or
-    land on a reserved name (``zarr.json``, ``..``, ``__``-prefixed, ``*.partial``, ``_step``).
+    land on a reserved name (``zarr.json``, ``..``, ``__``-prefixed, ``*.partial``, or the row
+    columns :data:`STEP_NODE` and :data:`HOOK_NODE`).
 
     Bytes other than ASCII letters, digits and ``-`` (and ``_`` after the first character)
     are written as ``%XX``; :func:`name_of` reverses that. Escaped names longer than 120
@@ -339,11 +350,11 @@ def zero_rows(array: zarr.Array[Any], start: int, stop: int, *, piece_rows: int 
         start = end
 
 
-def resize_tail(arrays: Mapping[str, zarr.Array[Any]], n: int) -> None:
+def resize_tail(arrays: Iterable[zarr.Array[Any]], n: int) -> None:
     """Cut arrays back to ``n`` committed rows (debris of an interrupted commit, or unused
     capacity): zarr deletes the chunks past the new end, and the rows past ``n`` in the
     chunk that holds it are zeroed first, so no uncommitted byte survives the cut."""
-    for arr in arrays.values():
+    for arr in arrays:
         if arr.shape[0] > n:
             rows = int(arr.chunks[0])
             if n % rows:

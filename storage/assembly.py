@@ -8,8 +8,8 @@ commit that indexes them) goes to the run's :class:`storage.write_queue.RunWrite
 episode counts as stored only once its commit has run.
 
 Every message is validated against the run before anything is allocated for it: world
-indices against the run's world count, fields by name against the term's schema (``_step``
-and ``_hook`` are reserved), one world's row against the run's memory share, variation values
+indices against the run's world count, fields by name against the term's schema (any valid
+name: the row columns are kept apart from the fields), one world's row against the run's memory share, variation values
 against the variation's spec, labels and flags by type. A message that fails is a
 :class:`RejectedMessage`; the episodes it touched become incomplete.
 
@@ -59,7 +59,6 @@ _MIN_PIECE = 512  # bytes: smallest write piece (a piece holds at least one row 
 _WORLD_BYTES = 9  # per world: its episode index (int64) and whether it is seen whole (bool)
 _TOPIC_WORLD_BYTES = 24  # per world and topic: row count, first slot, world index (int64 each)
 _HOOK_NAMES = ("pre_step", "post_step", "pre_reset", "post_reset")
-_RESERVED_FIELDS = ("_step", "_hook")
 GAP_JOINED_LATE = 2
 """Gap ``source`` of a run joined late: run sequence numbers ``[0, received)`` were published
 before this daemon saw the run (its first message was neither its ``RunStart`` nor seq 1)."""
@@ -393,9 +392,6 @@ class RunAssembly:
                                                 f"fields, got {msg.fields!r:.80}")
             for name, t in msg.fields.items():
                 _name(name, f"topic {topic!r} field name")
-                if name in _RESERVED_FIELDS:  # the buffers and the writer key their own columns so
-                    raise RejectedMessage("name", f"topic {topic!r}: field name {name!r} is reserved "
-                                                  f"(every term stores its {' and '.join(_RESERVED_FIELDS)})")
                 values = as_numpy(t, f"topic {topic!r} field {name!r}")
                 if values.shape[:1] != (len(worlds),):
                     raise RejectedMessage("shape", f"topic {topic!r} field {name!r}: expected a "
@@ -620,7 +616,7 @@ class RunAssembly:
         for their commit (the bound its budget keeps)."""
         total = int(self.episode.nbytes + self.clean.nbytes) + self._pending_var_bytes
         for buf in self.topics.values():
-            total += buf.nbytes + sum(int(v.nbytes) for v in vars(buf).values() if isinstance(v, np.ndarray))
+            total += buf.memory
         return total + sum(p.nbytes for p in self.packers.values())
 
     @staticmethod
@@ -864,11 +860,10 @@ def _trim_job(writer: RunWriter) -> None:
 
 def _copy_job(primary: RunWriter, writer: RunWriter, term: str, offset: int, rows: int, step: int,
               out: list[Segment]) -> None:
-    names = [*primary.meta["fields"][term], "_step", "_hook"]
-    arrays = {n: primary.data_array(term, n) for n in names}
+    arrays = {n: primary.data_array(term, n) for n in primary.meta["fields"][term]}
+    steps, hooks = primary.row_arrays(term)
     for a in range(offset, offset + rows, step):
         b = min(a + step, offset + rows)
-        fields = {n: np.asarray(arr[a:b]) for n, arr in arrays.items() if n not in ("_step", "_hook")}
-        start = writer.append(term, fields, np.asarray(arrays["_step"][a:b]),
-                              np.asarray(arrays["_hook"][a:b]))
+        fields = {n: np.asarray(arr[a:b]) for n, arr in arrays.items()}
+        start = writer.append(term, fields, np.asarray(steps[a:b]), np.asarray(hooks[a:b]))
         out.append((writer.topic_code(term), start, b - a))

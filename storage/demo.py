@@ -202,6 +202,8 @@ def _build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="run seed (default: %(default)s)")
     p.add_argument("--endpoint", default=None,
                    help="where the daemon binds (default: an ipc:// socket in a temporary folder)")
+    p.add_argument("--resamples", type=int, default=100,
+                   help="bootstrap resamples of the sensitivity analysis (default: %(default)s)")
     p.add_argument("--no-analysis", action="store_true", help="skip the sensitivity analysis")
     p.add_argument("--quiet", action="store_true", help="no progress output")
     return p
@@ -209,7 +211,7 @@ def _build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _build_parser().parse_args(argv)
-    for name in ("worlds", "episodes", "max_steps"):
+    for name in ("worlds", "episodes", "max_steps", "resamples"):
         if getattr(args, name) < 1:
             print(f"worldtap-demo: --{name.replace('_', '-')} must be at least 1", file=sys.stderr)
             return 2
@@ -236,7 +238,7 @@ def main(argv: Sequence[str] | None = None) -> int:
               "episode", file=sys.stderr)
     code = _report(store, run)
     if code == 0 and not args.no_analysis and not interrupted:
-        code = _analyse(store, run, out)
+        code = _analyse(store, run, out, args.resamples)
     return _INTERRUPTED if interrupted else code
 
 
@@ -333,10 +335,11 @@ def _report(store: Path, run: str) -> int:
     return 0
 
 
-def _analyse(store: Path, run: str, out: Path) -> int:
+def _analyse(store: Path, run: str, out: Path, resamples: int) -> int:
     from consumers.sensitivity.cli import main as sensitivity
 
-    return sensitivity(["--store", str(store), "--run", run, "--out", str(out / "sensitivity" / run)])
+    return sensitivity(["--store", str(store), "--run", run, "--out", str(out / "sensitivity" / run),
+                        "--resamples", str(resamples)])
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
 from concurrent.futures import Future
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -20,7 +21,7 @@ from ._format import HOOKS, numpy_dtype
 from .run_writer import RunWriter
 from .write_queue import RunWriteQueue
 
-__all__ = ["DenseTopicBuffer", "EpisodePacker", "Segment", "TopicBuffer", "iter_pieces"]
+__all__ = ["DenseTopicBuffer", "EpisodePacker", "RowBlock", "Segment", "TopicBuffer", "iter_pieces"]
 
 Segment = tuple[int, int, int]
 """``(topic code, first row, row count)`` of one contiguous run of rows in one store."""
@@ -39,11 +40,52 @@ def iter_pieces(rows: np.ndarray, row_bytes: int, piece_bytes: int) -> Iterator[
         yield slice(start, len(rows))
 
 
+@dataclass(slots=True)
+class RowBlock:
+    """Rows of one term: its fields by name and, never among them, the row columns (the
+    global step and the lifecycle code of each row)."""
+
+    fields: dict[str, np.ndarray]
+    steps: np.ndarray
+    hooks: np.ndarray
+
+    def zeros(self, rows: int) -> RowBlock:
+        """``rows`` zero rows of the same columns."""
+        return RowBlock({name: np.zeros((rows, *a.shape[1:]), a.dtype) for name, a in self.fields.items()},
+                        np.zeros(rows, self.steps.dtype), np.zeros(rows, self.hooks.dtype))
+
+    @property
+    def nbytes(self) -> int:
+        return sum(int(a.nbytes) for a in self.fields.values()) + int(self.steps.nbytes) + \
+            int(self.hooks.nbytes)
+
+    def head(self, n: int) -> RowBlock:
+        """The first ``n`` rows (views)."""
+        return RowBlock({name: a[:n] for name, a in self.fields.items()}, self.steps[:n], self.hooks[:n])
+
+
+def _gather(buf: TopicBuffer, idx: np.ndarray, out: RowBlock | None = None, at: int = 0) -> RowBlock:
+    """Rows ``idx`` of ``buf``: into ``out`` from row ``at`` on, or into new arrays."""
+    # numpy gathers on this thread alone: torch's index_select would fan out to OpenMP
+    # workers that contend with zarr's codec threads and the receiver for the cores.
+    if out is None:
+        return RowBlock({name: np.take(b, idx, axis=0) for name, b in buf.views.items()},
+                        np.take(buf.steps, idx), np.take(buf.hooks, idx))
+    end = at + len(idx)
+    for name, b in buf.views.items():
+        np.take(b, idx, axis=0, out=out.fields[name][at:end], mode="clip")
+    np.take(buf.steps, idx, out=out.steps[at:end], mode="clip")
+    np.take(buf.hooks, idx, out=out.hooks[at:end], mode="clip")
+    return out
+
+
 class TopicBuffer:
     """Rows of one batch topic (a recorder term), per world, for the episodes in progress.
 
-    Storage is one ``[worlds * capacity, *shape]`` array per field, row ``r`` of world ``w``
-    at ``w * capacity + r`` (world-major), so a batch is one fancy-index assignment and
+    Storage is one ``[worlds * capacity, *shape]`` array per field (:attr:`views`, by field
+    name) and, apart from them, the row columns :attr:`steps` (global step of each row) and
+    :attr:`hooks` (lifecycle code of each row), so a field may bear any name (``_step`` too).
+    Row ``r`` of world ``w`` is at ``w * capacity + r`` (world-major), so a batch is one fancy-index assignment and
     copying out episodes one ``take`` over contiguous runs of rows (an episode's rows are
     adjacent in memory: the copy-out streams instead of striding across the buffer).
 
@@ -63,7 +105,7 @@ class TopicBuffer:
         self.dtypes = {name: numpy_dtype(spec.dtype) for name, spec in specs.items()}
         self.row_bytes = sum(d.itemsize * int(np.prod(s.shape, dtype=np.int64))
                              for d, s in zip(self.dtypes.values(), specs.values(), strict=True))
-        self.row_bytes += 9  # _step and _hook
+        self.row_bytes += 9  # the row columns: step (int64) and hook (uint8)
         self.num_worlds = num_worlds
         self.counts = np.zeros(num_worlds, np.int64)
         self._alloc(capacity)
@@ -74,13 +116,20 @@ class TopicBuffer:
         # np.zeros maps pages lazily (calloc): only rows actually used become resident
         self.views = {name: np.zeros((n, *spec.shape), self.dtypes[name])
                       for name, spec in self.specs.items()}
-        self.views["_step"] = np.zeros(n, np.int64)
-        self.views["_hook"] = np.zeros(n, np.uint8)
+        """Field name -> rows (fields only: the row columns are :attr:`steps` and :attr:`hooks`)."""
+        self.steps = np.zeros(n, np.int64)
+        self.hooks = np.zeros(n, np.uint8)
 
     @property
     def nbytes(self) -> int:
         """Bytes allocated for rows (pages are mapped lazily; this is the bound)."""
-        return sum(int(v.nbytes) for v in self.views.values())
+        return sum(int(v.nbytes) for v in self.views.values()) + int(self.steps.nbytes) + \
+            int(self.hooks.nbytes)
+
+    @property
+    def memory(self) -> int:
+        """Every byte the buffer holds: its rows (:attr:`nbytes`) and its per-world bookkeeping."""
+        return self.nbytes + int(self.counts.nbytes)
 
     def reshape(self, capacity: int, num_worlds: int) -> None:
         """Reallocate for a new capacity or world count; the buffer must be empty (move its rows
@@ -102,8 +151,8 @@ class TopicBuffer:
         idx = worlds * self.capacity + rows
         for name, values in fields.items():  # numpy's fancy setitem: far faster than index_copy_
             self.views[name][idx] = values
-        self.views["_step"][idx] = step
-        self.views["_hook"][idx] = HOOKS.index(hook)
+        self.steps[idx] = step
+        self.hooks[idx] = HOOKS.index(hook)
         self.counts[worlds] = rows + 1
 
     def discard(self, worlds: np.ndarray) -> None:
@@ -136,6 +185,10 @@ class DenseTopicBuffer(TopicBuffer):
         self.present = np.ones((capacity, self.num_worlds), bool)
         self._all = np.arange(self.num_worlds)
 
+    @property
+    def memory(self) -> int:
+        return super().memory + int(self.first.nbytes + self.present.nbytes + self._all.nbytes)
+
     def full(self, worlds: np.ndarray) -> bool:
         busy = self.counts > 0
         return bool(busy.any()) and self.t - int(self.first[busy].min()) >= self.capacity
@@ -154,8 +207,8 @@ class DenseTopicBuffer(TopicBuffer):
                 self.views[name][rows][worlds] = values
             self.present[slot] = False
             self.present[slot, worlds] = True
-        self.views["_step"][rows] = step
-        self.views["_hook"][rows] = HOOKS.index(hook)
+        self.steps[rows] = step
+        self.hooks[rows] = HOOKS.index(hook)
         starting = worlds[self.counts[worlds] == 0]
         self.first[starting] = self.t
         self.counts[worlds] += 1
@@ -190,9 +243,9 @@ class EpisodePacker:
                  queue: RunWriteQueue) -> None:
         self.writer, self.term = writer, buf.term
         self.rows = max(1, piece_bytes // buf.row_bytes)
-        self._shapes = {name: ((self.rows, *b.shape[1:]), b.dtype) for name, b in buf.views.items()}
+        self._empty = _gather(buf, np.zeros(0, np.int64))  # the columns, no rows
         self.arrays = self._alloc()
-        self._spare: dict[str, np.ndarray] | None = None
+        self._spare: RowBlock | None = None
         self._queue = queue
         self._pending: Future[None] | None = None
         self.n = 0
@@ -201,11 +254,10 @@ class EpisodePacker:
     @property
     def nbytes(self) -> int:
         """Bytes of the piece buffers (two while a piece is being written)."""
-        one = sum(int(np.prod(shape)) * np.dtype(dtype).itemsize for shape, dtype in self._shapes.values())
-        return one * (2 if self._spare is not None else 1)
+        return self.arrays.nbytes * (2 if self._spare is not None else 1)
 
-    def _alloc(self) -> dict[str, np.ndarray]:
-        return {name: np.zeros(shape, dtype) for name, (shape, dtype) in self._shapes.items()}
+    def _alloc(self) -> RowBlock:
+        return self._empty.zeros(self.rows)
 
     def pack(self, buf: TopicBuffer, worlds: np.ndarray, segs: list[list[Segment]]) -> None:
         """Move the rows of ``worlds`` (``segs``: each world's segment list) out of ``buf``."""
@@ -218,16 +270,12 @@ class EpisodePacker:
             if self.n + total > self.rows:
                 self.flush()
             idx = buf.rows_of(worlds[piece])
-            # numpy gathers on this thread alone: torch's index_select would fan out to OpenMP
-            # workers that contend with zarr's codec threads and the receiver for the cores.
             if total > self.rows:  # one world longer than a piece: a piece of its own
                 self.wait()
-                arrays = {n: np.take(b, idx, axis=0) for n, b in buf.views.items()}
-                self._queue.submit(self._write, arrays,
+                self._queue.submit(self._write, _gather(buf, idx),
                                    list(zip(segs[piece], counts[piece].tolist(), strict=True))).result()
             else:
-                for name, b in buf.views.items():
-                    np.take(b, idx, axis=0, out=self.arrays[name][self.n:self.n + total], mode="clip")
+                _gather(buf, idx, self.arrays, self.n)
                 self.entries.extend(zip(segs[piece], counts[piece].tolist(), strict=True))
                 self.n += total
             buf.discard(worlds[piece])
@@ -237,9 +285,8 @@ class EpisodePacker:
         write has run (:meth:`wait`)."""
         if not self.n:
             return
-        arrays = {name: a[:self.n] for name, a in self.arrays.items()}
         previous = self._pending
-        self._pending = self._queue.submit(self._write, arrays, self.entries)
+        self._pending = self._queue.submit(self._write, self.arrays.head(self.n), self.entries)
         if previous is not None:
             previous.result()  # the spare buffers were being written: reuse them now
         spare = self._spare if self._spare is not None else self._alloc()
@@ -253,10 +300,8 @@ class EpisodePacker:
             pending, self._pending = self._pending, None
             pending.result()
 
-    def _write(self, arrays: dict[str, np.ndarray], entries: list[tuple[list[Segment], int]]) -> None:
-        data = dict(arrays)
-        steps, hooks = data.pop("_step"), data.pop("_hook")
-        offset = self.writer.append(self.term, data, steps, hooks)
+    def _write(self, block: RowBlock, entries: list[tuple[list[Segment], int]]) -> None:
+        offset = self.writer.append(self.term, block.fields, block.steps, block.hooks)
         code = self.writer.topic_code(self.term)
         for segs, rows in entries:
             segs.append((code, offset, rows))

@@ -13,7 +13,7 @@ hides the others (:meth:`RunStore.damaged` lists the runs that cannot be opened)
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,7 +23,9 @@ import zarr
 from ._format import (
     FORMAT,
     FORMAT_VERSION,
+    HOOK_NODE,
     HOOKS,
+    STEP_NODE,
     StoreLocation,
     child_nodes,
     from_json,
@@ -254,14 +256,48 @@ class RunStore:
     def episode(self, run: str, world: int, index: int) -> dict[str, np.ndarray]:
         """Every field of one committed episode, read back whole (fragments concatenated).
 
-        Keys are ``"<term>/<field>"``, plus ``"<term>/_step"`` (global step of each row) and
-        ``"<term>/_hook"`` (lifecycle point of each row, as a str array). bfloat16 fields read
-        back as float32 (exactly: every bfloat16 is a float32).
+        Keys are ``"<term>/<field>"`` for the fields only, whatever their names (a field named
+        ``_step`` is ``"<term>/_step"``); the step and lifecycle point of each row are
+        :meth:`episode_rows`. bfloat16 fields read back as float32 (exactly: every bfloat16 is
+        a float32).
 
         Raises:
             EpisodeNotFoundError: No committed episode ``(run, world, index)``.
             StoreDamagedError: Part of the episode is missing or corrupt in the store.
         """
+        out: dict[str, np.ndarray] = {}
+        for term, fields, read in self._episode_terms(run, world, index):
+            for name, spec in fields.items():
+                value = read(node_name(name))
+                if spec.get("dtype") == "bfloat16":
+                    value = (value.astype(np.uint32) << 16).view(np.float32)
+                out[f"{term}/{name}"] = value
+        return out
+
+    def episode_rows(self, run: str, world: int, index: int) -> dict[str, dict[str, np.ndarray]]:
+        """The row columns of one committed episode, read from the same rows as
+        :meth:`episode`: ``{term: {"step": ..., "hook": ...}}``, ``step`` the global step of
+        each row (int64), ``hook`` its lifecycle point by name (an object array of str, one
+        of ``"pre_step"``, ``"post_step"``, ``"pre_reset"``, ``"post_reset"``; the store
+        holds their uint8 codes). Row ``i`` of a term's columns is row ``i`` of its fields.
+
+        Raises:
+            EpisodeNotFoundError: No committed episode ``(run, world, index)``.
+            StoreDamagedError: Part of the episode is missing or corrupt in the store.
+        """
+        out: dict[str, dict[str, np.ndarray]] = {}
+        for term, _, read in self._episode_terms(run, world, index):
+            codes = read(HOOK_NODE)
+            if len(codes) and int(codes.max()) >= len(HOOKS):
+                raise StoreDamagedError(f"run {run!r}: term {term!r} holds hook code "
+                                        f"{int(codes.max())}, the store knows {len(HOOKS)} hooks")
+            out[term] = {"step": read(STEP_NODE), "hook": np.asarray(HOOKS, dtype=object)[codes]}
+        return out
+
+    def _episode_terms(self, run: str, world: int, index: int) -> Iterator[
+            tuple[str, dict[str, Any], Callable[[str], np.ndarray]]]:
+        """For each term of the run with committed rows: its name, its stored field specs, and
+        a reader of the episode's rows of a node of ``data/<term>/`` (its segments joined)."""
         meta = self.info(run)
         committed = meta["committed"]
         n = int(committed["episodes"])
@@ -284,37 +320,29 @@ class RunStore:
         segs = (np.stack([self._read(run, sgroup, c, start, start + count)
                           for c in ("topic", "offset", "rows")], axis=1)
                 if count and sgroup is not None else np.zeros((0, 3), np.int64))
-        out: dict[str, np.ndarray] = {}
         for code, term in enumerate(meta["topics"]):
-            mine = segs[segs[:, 0] == code]
+            mine = segs[segs[:, 0] == code].tolist()
             rows = int(committed["rows"].get(term, 0))
             tnode = meta.get("term_nodes", {}).get(term, node_name(term))
             tgroup = self._group(run, f"data/{tnode}", rows)
             if tgroup is None:
                 continue
-            for name in [*meta["fields"][term], "_step", "_hook"]:
-                spec = meta["fields"][term].get(name) if name not in ("_step", "_hook") else None
-                node = name if spec is None else node_name(name)
-                pieces = []
-                for _, o, r in mine.tolist():
-                    if o < 0 or r < 0 or o + r > rows:
-                        raise StoreDamagedError(f"run {run!r}: a segment of episode ({world}, {index}) "
-                                                f"covers rows {o}..{o + r} of term {term!r}, {rows} are "
-                                                f"committed")
-                    pieces.append(self._read(run, tgroup, node, int(o), int(o) + int(r)))
+            for _, o, r in mine:
+                if o < 0 or r < 0 or o + r > rows:
+                    raise StoreDamagedError(f"run {run!r}: a segment of episode ({world}, {index}) "
+                                            f"covers rows {o}..{o + r} of term {term!r}, {rows} are "
+                                            f"committed")
+
+            def read(node: str, tgroup: zarr.Group = tgroup, mine: list[list[int]] = mine) -> np.ndarray:
+                pieces = [self._read(run, tgroup, node, int(o), int(o) + int(r)) for _, o, r in mine]
                 if pieces:
-                    value = np.concatenate(pieces)
-                else:
-                    arr = tgroup.get(node)
-                    shape = tuple(arr.shape[1:]) if isinstance(arr, zarr.Array) else ()
-                    dtype = arr.dtype if isinstance(arr, zarr.Array) else np.dtype("int64")
-                    value = np.zeros((0, *shape), dtype)
-                if name == "_hook":
-                    value = np.asarray(HOOKS, dtype=object)[value]
-                elif spec is not None and spec.get("dtype") == "bfloat16":
-                    value = (value.astype(np.uint32) << 16).view(np.float32)
-                out[f"{term}/{name}"] = value
-        return out
+                    return np.concatenate(pieces)
+                arr = tgroup.get(node)
+                shape = tuple(arr.shape[1:]) if isinstance(arr, zarr.Array) else ()
+                dtype = arr.dtype if isinstance(arr, zarr.Array) else np.dtype("int64")
+                return np.zeros((0, *shape), dtype)
+
+            yield term, dict(meta["fields"][term]), read
 
     def gaps(self, run: str) -> Table:
         """Ranges ``[expected, received)`` the store never received: ``source`` 0 is a gap

@@ -18,7 +18,7 @@ import logging
 import threading
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeAlias
 
 import numpy as np
 import zarr
@@ -33,8 +33,11 @@ from ._format import (
     FORMAT,
     FORMAT_VERSION,
     GAP_COLUMNS,
+    HOOK_NODE,
     HOOKS,
+    ROW_DTYPES,
     SEGMENT_COLUMNS,
+    STEP_NODE,
     TABLE_CHUNK,
     VAR_COLUMNS,
     Compression,
@@ -52,11 +55,27 @@ from ._format import (
 )
 from .errors import StoreDamagedError, StoreFormatError
 
-__all__ = ["EpisodeRows", "RunStoreWriter", "RunWriter", "new_meta", "read_meta"]
+__all__ = ["EpisodeRows", "RunStoreWriter", "RunWriter", "TermColumns", "new_meta", "read_meta"]
 
 _log = logging.getLogger("worldtap.storage")
 
-_RESERVED = ("_step", "_hook")
+_TermArrays: TypeAlias = "tuple[dict[str, zarr.Array[Any]], zarr.Array[Any], zarr.Array[Any]]"
+"""A term's stored arrays: its fields by name, then its step and hook row columns."""
+
+
+@dataclass(slots=True)
+class TermColumns:
+    """The arrays of one term: its fields by name and, never among them, its row columns
+    (``step``: the global step of each row, ``hook``: its lifecycle code), so a field may
+    bear any name."""
+
+    fields: dict[str, Column]
+    step: Column
+    hook: Column
+
+    def all(self) -> list[Column]:
+        """Every column: the fields, then step and hook."""
+        return [*self.fields.values(), self.step, self.hook]
 
 
 @dataclass(slots=True)
@@ -113,7 +132,7 @@ class RunWriter:
         self.group = group
         self.meta = meta
         self.lock = threading.RLock()
-        self._data: dict[str, dict[str, Column]] = {}
+        self._data: dict[str, TermColumns] = {}
         self._tables: dict[str, dict[str, Column]] = {}
         self._variations: dict[str, dict[str, Column]] = {}
         self._outcomes: dict[str, Column] = {}
@@ -205,14 +224,13 @@ class RunWriter:
         with self.lock:
             specs = {n: FieldSpec.from_dict(s) for n, s in self.meta["fields"][term].items()}
             tgroup = self.group.require_group(f"data/{self.meta['term_nodes'][term]}")
-        arrays: dict[str, Column] = {}
-        for name, spec in {**specs, "_step": FieldSpec("int64", ()), "_hook": FieldSpec("uint8", ())}.items():
+
+        def make(node: str, name: str, spec: FieldSpec) -> Column:
             dtype = numpy_dtype(spec.dtype)
             row_bytes = max(1, dtype.itemsize * int(np.prod(spec.shape, dtype=np.int64)))
             chunk_rows = max(1, owner.chunk_bytes // row_bytes)
-            node = name if name in _RESERVED and name not in specs else node_name(name)
             dims = (f"{term}_row", *(f"{name}_dim{i}" for i in range(len(spec.shape))))
-            arrays[name] = Column(tgroup.create_array(
+            return Column(tgroup.create_array(
                 node, shape=(0, *spec.shape), dtype=dtype, chunks=(chunk_rows, *spec.shape),
                 compressors=owner.codecs, fill_value=False if dtype == np.bool_ else 0,
                 chunk_key_encoding=CHUNK_KEYS, dimension_names=dims,  # type: ignore[arg-type]
@@ -220,49 +238,62 @@ class RunWriter:
                 config=APPEND_CONFIG,
                 overwrite=True,  # an array not in the committed meta is debris of a crash
             ), 0)
-        self._data[term] = arrays
 
-    def _term_arrays(self, term: str) -> dict[str, zarr.Array[Any]]:
+        fields = {name: make(node_name(name), name, spec) for name, spec in specs.items()}
+        step, hook = (make(node, node, FieldSpec(ROW_DTYPES[node], ())) for node in (STEP_NODE, HOOK_NODE))
+        self._data[term] = TermColumns(fields, step, hook)
+
+    def _term_arrays(self, term: str) -> _TermArrays:
+        """The stored arrays of ``term``: its fields by name, then its step and hook columns."""
         assert self.group is not None
         where = f"run {self.run!r} term {term!r}"
         tnode = self.meta["term_nodes"][term]
         tgroup = _as_group(self.group.get(f"data/{tnode}"), where)
-        names = [*self.meta["fields"][term], *_RESERVED]
-        out = {}
-        for name in names:
-            node = name if name in _RESERVED else node_name(name)
-            arr = _as_array(tgroup.get(node), f"{where} array {node!r}")
-            out[name] = arr.with_config(APPEND_CONFIG)
-        return out
 
-    def _open_term(self, term: str, arrays: Mapping[str, zarr.Array[Any]] | None = None) -> None:
+        def get(node: str) -> zarr.Array[Any]:
+            return _as_array(tgroup.get(node), f"{where} array {node!r}").with_config(APPEND_CONFIG)
+
+        return {name: get(node_name(name)) for name in self.meta["fields"][term]}, get(STEP_NODE), \
+            get(HOOK_NODE)
+
+    def _open_term(self, term: str, arrays: _TermArrays | None = None) -> None:
         rows = int(self.meta["committed"]["rows"].get(term, 0))
-        arrays = self._term_arrays(term) if arrays is None else arrays
-        self._data[term] = {name: Column(arr, rows) for name, arr in arrays.items()}
+        fields, step, hook = self._term_arrays(term) if arrays is None else arrays
+        self._data[term] = TermColumns({name: Column(arr, rows) for name, arr in fields.items()},
+                                       Column(step, rows), Column(hook, rows))
 
     def rows(self, term: str) -> int:
         """Rows written so far to ``term`` (committed or not)."""
         if term not in self._data:
             self._open_term(term)
-        return self._data[term]["_step"].rows
+        return self._data[term].step.rows
 
     def data_array(self, term: str, name: str) -> zarr.Array[Any]:
-        """The zarr array of field ``name`` (or ``_step``/``_hook``) of ``term``; rows past
-        :meth:`rows` are capacity, not data."""
+        """The zarr array of field ``name`` of ``term`` (any name: the row columns are
+        :meth:`row_arrays`); rows past :meth:`rows` are capacity, not data."""
         if term not in self._data:
             self._open_term(term)
-        return self._data[term][name].array
+        return self._data[term].fields[name].array
+
+    def row_arrays(self, term: str) -> tuple[zarr.Array[Any], zarr.Array[Any]]:
+        """The zarr arrays of ``term``'s row columns: step (int64) and hook (uint8 code into
+        :data:`HOOKS`); rows past :meth:`rows` are capacity, not data."""
+        if term not in self._data:
+            self._open_term(term)
+        columns = self._data[term]
+        return columns.step.array, columns.hook.array
 
     def append(self, term: str, fields: Mapping[str, np.ndarray], steps: np.ndarray,
                hooks: np.ndarray) -> int:
         """Append rows to ``term``'s arrays (data only: nothing is committed). Returns the
-        offset of the first row. Fields are matched by name."""
+        offset of the first row. Fields are matched by name (any name, ``_step`` too); the
+        rows' steps and hook codes go to the row columns."""
         if term not in self._data:
             self._open_term(term)
         columns = self._data[term]
         offset = self.rows(term)
-        write_columns([(columns[name], values) for name, values in fields.items()]
-                      + [(columns["_step"], steps), (columns["_hook"], hooks)])
+        write_columns([(columns.fields[name], values) for name, values in fields.items()]
+                      + [(columns.step, steps), (columns.hook, hooks)])
         self._owner.bytes_written += sum(int(v.nbytes) for v in fields.values())
         return offset
 
@@ -466,8 +497,9 @@ class RunWriter:
                 # killed in between. Nothing of it is committed: make them afresh.
                 self.create_term(term)
                 continue
-            reclaimed += max(0, arrays["_step"].shape[0] - n)
-            resize_tail(arrays, n)
+            fields, step, hook = arrays
+            reclaimed += max(0, step.shape[0] - n)
+            resize_tail([*fields.values(), step, hook], n)
             self._open_term(term, arrays)
         outcome_nodes = list(self.meta.get("outcomes", {}).values())
         for name, cols in (("episodes", [*EPISODE_COLUMNS, *outcome_nodes]), ("segments", SEGMENT_COLUMNS),
@@ -507,8 +539,8 @@ class RunWriter:
                                         f"committed")
             return
         group = _as_group(node, f"run {self.run!r} {what}")
-        resize_tail({c: _as_array(group[c], f"run {self.run!r} {what} column {c!r}")
-                     for c in cols if c in group}, n)
+        resize_tail([_as_array(group[c], f"run {self.run!r} {what} column {c!r}")
+                     for c in cols if c in group], n)
 
     def zero_holes(self, *, piece: int = 1 << 20) -> int:
         """Delete data chunks that no committed segment references (fragments of episodes
@@ -527,7 +559,7 @@ class RunWriter:
                     continue
                 self._open_term(term)
             columns = self._data[term]
-            sizes = sorted({c.chunk for c in columns.values()})
+            sizes = sorted({c.chunk for c in columns.all()})
             # per chunk size: +1 where a segment's first chunk is, -1 after its last
             marks = {rows: np.zeros(-(-end // rows) + 1, np.int64) for rows in sizes}
             for a in range(0, n_seg, piece):
@@ -539,7 +571,7 @@ class RunWriter:
                 for rows, mark in marks.items():
                     np.add.at(mark, first // rows, 1)
                     np.add.at(mark, last // rows + 1, -1)
-            for column in columns.values():
+            for column in columns.all():
                 dead = np.flatnonzero(np.cumsum(marks[column.chunk][:-1]) == 0)
                 if not len(dead):
                     continue
@@ -549,7 +581,7 @@ class RunWriter:
                                   strict=True):
                     start, stop = int(lo) * rows, min(end, (int(hi) + 1) * rows)
                     zero_rows(column.array, start, stop)
-                    reclaimed += (stop - start) if column is columns["_step"] else 0
+                    reclaimed += (stop - start) if column is columns.step else 0
         return reclaimed
 
     def trim(self) -> None:
@@ -557,9 +589,10 @@ class RunWriter:
         (call once everything written is committed: at the run's end, or at shutdown).
         Writing afterwards grows the capacity again."""
         with self.lock:
-            for columns in [*self._data.values(), *self._tables.values(), *self._variations.values(),
-                            self._outcomes]:
-                for column in columns.values():
+            for columns in [*(t.all() for t in self._data.values()),
+                            *(list(c.values()) for c in [*self._tables.values(), *self._variations.values(),
+                                                         self._outcomes])]:
+                for column in columns:
                     column.trim()
 
 

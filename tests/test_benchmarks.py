@@ -17,8 +17,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 TINY: dict[str, list[str]] = {
     "retention": ["--worlds", "8", "16", "--trials", "2", "--appends", "3"],
-    "transport": ["--worlds", "8", "--seconds", "0.5"],
-    "pipeline": ["--worlds", "8", "--seconds", "1"],
+    "transport": ["--worlds", "8", "--seconds", "0.5", "--rounds", "2"],
+    "pipeline": ["--worlds", "8", "--seconds", "1", "--trials", "1"],
     "capture": ["--worlds", "8", "--steps", "5", "--trials", "2"],
 }
 

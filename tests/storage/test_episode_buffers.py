@@ -1,4 +1,7 @@
-"""The daemon's episode buffers (world-major and time-major) against a per-world reference."""
+"""The daemon's episode buffers (world-major and time-major) against a per-world reference.
+
+The term has fields named ``_step`` and ``_hook`` beside the row columns (``steps``,
+``hooks``) with other values: a buffer that kept them in one dict lost the fields' values."""
 
 from __future__ import annotations
 
@@ -9,21 +12,33 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from broker import FieldSpec
+from storage._format import HOOKS
 from storage.episode_buffers import DenseTopicBuffer, TopicBuffer
 
 pytestmark = pytest.mark.timeout(60)
 
-SPECS = {"x": FieldSpec("float32", (3,)), "flag": FieldSpec("bool", ())}
+SPECS = {"_step": FieldSpec("int64", ()), "x": FieldSpec("float32", (3,)), "flag": FieldSpec("bool", ()),
+         "_hook": FieldSpec("uint8", ())}
+
+Row = tuple[float, int, int, int, int]
+"""x[0], the row's step, the fields ``_step`` and ``_hook``, the row's hook code."""
 
 
-def _rows(buf: TopicBuffer, worlds: np.ndarray) -> dict[int, list[tuple[float, int]]]:
-    """Each world's buffered rows as (x[0], step), gathered the way the stager does."""
-    out: dict[int, list[tuple[float, int]]] = {}
+def _fields(x: np.ndarray) -> dict[str, np.ndarray]:
+    """A batch's fields; ``_step`` and ``_hook`` differ from any row's step and hook code."""
+    return {"_step": -x[:, 0].astype(np.int64) - 7, "x": x, "flag": x[:, 0] > 0,
+            "_hook": (x[:, 0].astype(np.int64) % 200 + 50).astype(np.uint8)}
+
+
+def _rows(buf: TopicBuffer, worlds: np.ndarray) -> dict[int, list[Row]]:
+    """Each world's buffered rows, gathered the way the stager does."""
+    out: dict[int, list[Row]] = {}
     idx = buf.rows_of(worlds)
-    x, steps = buf.views["x"][idx, 0].tolist(), buf.views["_step"][idx].tolist()
+    cols = (buf.views["x"][idx, 0].tolist(), buf.steps[idx].tolist(), buf.views["_step"][idx].tolist(),
+            buf.views["_hook"][idx].tolist(), buf.hooks[idx].tolist())
     pos = 0
     for w, n in zip(worlds.tolist(), buf.counts[worlds].tolist(), strict=True):
-        out[w] = list(zip(x[pos:pos + n], steps[pos:pos + n], strict=True))
+        out[w] = list(zip(*(c[pos:pos + n] for c in cols), strict=True))
         pos += n
     return out
 
@@ -39,7 +54,7 @@ class BufferMachine(RuleBasedStateMachine):
         super().__init__()
         self.worlds_n, self.step = 3, 0
         self.buf = self.kind("t", SPECS, self.worlds_n, 4)
-        self.model: dict[int, list[tuple[float, int]]] = {w: [] for w in range(self.worlds_n)}
+        self.model: dict[int, list[Row]] = {w: [] for w in range(self.worlds_n)}
 
     def _move_out(self, worlds: np.ndarray) -> None:
         assert _rows(self.buf, worlds) == {w: self.model[w] for w in worlds.tolist()}
@@ -47,8 +62,8 @@ class BufferMachine(RuleBasedStateMachine):
         for w in worlds.tolist():
             self.model[w] = []
 
-    @rule(data=st.data(), every=st.booleans())
-    def batch(self, data: st.DataObject, every: bool) -> None:
+    @rule(data=st.data(), every=st.booleans(), hook=st.sampled_from(HOOKS))
+    def batch(self, data: st.DataObject, every: bool, hook: str) -> None:
         if every:
             worlds = np.arange(self.worlds_n)
         else:
@@ -57,9 +72,11 @@ class BufferMachine(RuleBasedStateMachine):
         if self.buf.full(worlds):  # what the assembly does: move every world's rows out
             self._move_out(np.flatnonzero(self.buf.counts))
         x = (np.arange(len(worlds) * 3, dtype=np.float32).reshape(-1, 3) + 1000 * self.step)
-        self.buf.add(worlds, {"x": x, "flag": x[:, 0] > 0}, self.step, "post_step")
-        for w, v in zip(worlds.tolist(), x[:, 0].tolist(), strict=True):
-            self.model[w].append((v, self.step))
+        fields = _fields(x)
+        self.buf.add(worlds, fields, self.step, hook)
+        for w, v, fs, fh in zip(worlds.tolist(), x[:, 0].tolist(), fields["_step"].tolist(),
+                                fields["_hook"].tolist(), strict=True):
+            self.model[w].append((v, self.step, fs, fh, HOOKS.index(hook)))
         self.step += 1
 
     @rule(data=st.data())
@@ -98,7 +115,7 @@ def test_dense_buffer_batch_of_every_world_is_one_slot() -> None:
     buf = DenseTopicBuffer("t", SPECS, 4, 3)
     for step in range(3):
         x = np.full((4, 3), float(step), np.float32)
-        buf.add(np.arange(4), {"x": x, "flag": x[:, 0] > 0}, step, "post_step")
+        buf.add(np.arange(4), _fields(x), step, "post_step")
     assert buf.full(np.arange(4))
     np.testing.assert_array_equal(buf.views["x"][:, 0].reshape(3, 4), [[0] * 4, [1] * 4, [2] * 4])
     np.testing.assert_array_equal(buf.rows_of(np.array([2])), [2, 6, 10])

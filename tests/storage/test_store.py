@@ -65,9 +65,9 @@ def test_round_trip_memory_store(broker: Broker) -> None:
     assert n > 20
     assert daemon.statistics().episodes_stored == n
     assert reader.info("run-a")["status"] == "complete"
-    ep = reader.episode("run-a", *next(iter(sim.outcome)))
-    assert set(ep["obs/_hook"].tolist()) == {"post_step"}
-    assert np.all(np.diff(ep["obs/_step"]) == 1)
+    rows = reader.episode_rows("run-a", *next(iter(sim.outcome)))
+    assert set(rows["obs"]["hook"].tolist()) == {"post_step"}
+    assert np.all(np.diff(rows["obs"]["step"]) == 1)
 
 
 def test_round_trip_disk_and_plain_zarr_and_xarray(broker: Broker, tmp_path: Path) -> None:
