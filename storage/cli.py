@@ -1,8 +1,12 @@
 """``worldtap-store``: the storage daemon's command line (also ``python -m storage``).
 
-``worldtap-store [STORE] --connect tcp://127.0.0.1:5555`` subscribes to publishers and
-writes their runs into STORE; ``worldtap-store info STORE`` lists the runs of a store.
-SIGINT and SIGTERM commit every complete episode and exit 0.
+Subcommands (``worldtap-store --help`` lists them, ``worldtap-store CMD --help`` explains one):
+
+- ``serve`` (the default: ``worldtap-store [STORE] --connect tcp://127.0.0.1:5555`` is
+  ``worldtap-store serve ...``) subscribes to publishers and writes their runs into STORE;
+  SIGINT and SIGTERM commit every complete episode and exit 0.
+- ``info STORE`` lists the runs of a store.
+- the subcommands of :data:`SUBCOMMANDS`, each in its own module.
 
 Exit codes (every error is one line on stderr): 0 done; 1 an unexpected error; 2 usage error
 (a bad option value); 3 the store is locked, is not a run store, or cannot be opened or
@@ -93,10 +97,41 @@ def check_endpoint(text: str) -> str:
     return text
 
 
+_SERVE_HELP = "Persist worldtap runs received over ZeroMQ into a Zarr run store."
+
+#: Subcommands that live in their own modules: name -> module. Each module defines ``HELP``
+#: (one line), ``add_arguments(parser)`` and ``run(args) -> int`` (the exit code), and imports
+#: nothing heavy at module level (building the parser imports every one of them).
+SUBCOMMANDS: dict[str, str] = {
+}
+
+
 def build_parser() -> argparse.ArgumentParser:
+    """The parser of ``worldtap-store serve`` (the daemon's options)."""
+    p = argparse.ArgumentParser(prog="worldtap-store serve", description=_SERVE_HELP)
+    _serve_arguments(p)
+    return p
+
+
+def build_main_parser() -> argparse.ArgumentParser:
+    """The parser of ``worldtap-store``: one subparser per subcommand."""
+    import importlib
+
     p = argparse.ArgumentParser(
         prog="worldtap-store",
-        description="Persist worldtap runs received over ZeroMQ into a Zarr run store.")
+        description="worldtap's run store: the storage daemon and the tools that read, check and "
+                    "export what it stored. Without a subcommand, the arguments are serve's.")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND")
+    _serve_arguments(sub.add_parser("serve", help=_SERVE_HELP, description=_SERVE_HELP))
+    info = sub.add_parser("info", help="list a store's runs", description="List a store's runs.")
+    info.add_argument("store")
+    for name, module in SUBCOMMANDS.items():
+        mod = importlib.import_module(module)
+        mod.add_arguments(sub.add_parser(name, help=mod.HELP, description=mod.HELP))
+    return p
+
+
+def _serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("store", nargs="?", default="worldtap.zarr",
                    help="local directory (default ./worldtap.zarr) or zarr/fsspec URL")
     p.add_argument("--connect", action="append", default=[], metavar="ENDPOINT", type=check_endpoint,
@@ -143,13 +178,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--exit-after-runs", type=_positive_int, default=None, metavar="N",
                    help="exit once N runs have ended")
     p.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
-    return p
 
 
-def _info(argv: Sequence[str]) -> int:
-    p = argparse.ArgumentParser(prog="worldtap-store info", description="List a store's runs.")
-    p.add_argument("store")
-    args = p.parse_args(argv)
+def _info(args: argparse.Namespace) -> int:
     try:
         reader = RunStore(args.store)
     except StorageError as exc:
@@ -175,10 +206,18 @@ def _info(argv: Sequence[str]) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the daemon until SIGINT/SIGTERM (or ``--exit-after-runs``); returns the exit code."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["info"]:
-        return _info(argv[1:])
+    main_parser = build_main_parser()
+    commands = {"serve", "info", *SUBCOMMANDS}
+    if not argv or (argv[0] not in commands and argv[0] not in ("-h", "--help")):
+        argv = ["serve", *argv]
+    args = main_parser.parse_args(argv)
+    if args.command == "info":
+        return _info(args)
+    if args.command != "serve":
+        import importlib
+
+        return int(importlib.import_module(SUBCOMMANDS[args.command]).run(args))
     parser = build_parser()
-    args = parser.parse_args(argv)
     if (args.curve_keys is None) != (args.curve_server is None):
         parser.error("--curve-keys and --curve-server go together")
     logging.basicConfig(level=args.log_level, stream=sys.stderr,
