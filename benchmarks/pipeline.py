@@ -13,6 +13,11 @@ it) sustained for ``--seconds``. Reported: end-to-end GB/s and steps/s, the daem
 (VmHWM), and a lossless check that reads every stored row back and compares it byte for byte
 with what was published. Budgets: end-to-end >= 70% of the slower raw ceiling (pyzmq,
 zarr-python); peak RSS <= the memory budget + 300 MB.
+
+``--publishers N``: N publisher processes, each its own run, connect to a ``worldtap-proxy``
+process that the daemon connects to (publishers -> proxy -> daemon); end-to-end GB/s counts
+every publisher's bytes, and every run is checked byte for byte against what its publisher
+published. Without it, one publisher that binds and a daemon that connects to it.
 """
 
 from __future__ import annotations
@@ -67,12 +72,15 @@ def _publisher(args: Any) -> None:
     rng = np.random.default_rng(args.seed)
     lo, hi = max(1, args.episode_length // 2), max(2, 3 * args.episode_length // 2)
     broker = Broker()
-    endpoint = "tcp://127.0.0.1:*" if args.transport == "tcp" else f"ipc://{args.ends}.ipc"
-    pub = ZmqPublisher(endpoint, bind=True, policy="block", send_timeout=120.0)
+    if args.connect is not None:  # to a proxy's frontend
+        pub = ZmqPublisher(args.connect, bind=False, policy="block", send_timeout=120.0)
+    else:
+        endpoint = "tcp://127.0.0.1:*" if args.transport == "tcp" else f"ipc://{args.ends}.ipc"
+        pub = ZmqPublisher(endpoint, bind=True, policy="block", send_timeout=120.0)
     broker.subscribe("", pub)
     print(pub.endpoints[0], flush=True)
     pub.wait_for_subscribers(1, timeout=60.0)
-    rec = Recorder(args.worlds, broker=broker, run=RUN)
+    rec = Recorder(args.worlds, broker=broker, run=args.run)
     current: dict[str, torch.Tensor] = {}
     rec.add_term(TERM, FunctionTerm(post_step=lambda: current))
     remaining = rng.integers(lo, hi, args.worlds)
@@ -265,14 +273,86 @@ def _pipeline(args: Any, root: Path) -> dict[str, Any]:
             "daemon_peak_rss_bytes": peak, "daemon_log_tail": daemon_log[-500:], **check}
 
 
-def _verify(store: Path, ends: np.ndarray, worlds: int) -> dict[str, Any]:
-    """Read every stored row back and compare it with the published payload, byte for byte."""
+def _proxied(args: Any, root: Path) -> dict[str, Any]:
+    """``--publishers N`` publisher processes -> worldtap-proxy process -> daemon process."""
+    store = root / "bench.zarr"
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    sides = ["tcp://127.0.0.1:*" if args.transport == "tcp" else f"ipc://{root}/{side}.ipc"
+             for side in ("front", "back")]
+    procs: list[subprocess.Popen[str]] = []
+    try:
+        proxy = subprocess.Popen([sys.executable, "-m", "broker.proxy", "--frontend", sides[0],
+                                  "--backend", sides[1], "--status-interval", "3600", "--log-level", "WARNING"],
+                                 stderr=subprocess.PIPE, text=True, env=env)
+        procs.append(proxy)
+        assert proxy.stderr is not None
+        ready = proxy.stderr.readline()
+        if "worldtap-proxy ready:" not in ready:
+            proxy.kill()
+            raise RuntimeError(f"the proxy did not start: {ready}{proxy.stderr.read()[-2000:]}")
+        front, back = (part.split("=", 1)[1] for part in ready.split()[-2:])
+        daemon = subprocess.Popen(
+            [sys.executable, "-m", "storage", str(store), "--connect", back,
+             "--exit-after-runs", str(args.publishers), "--memory-budget", str(args.memory_budget),
+             "--compression", args.compression, "--chunk-size", str(args.chunk_size),
+             "--status-interval", "5", "--log-level", "WARNING"],
+            stderr=subprocess.PIPE, text=True, env=env)
+        procs.append(daemon)
+        runs = {f"{RUN}-{k}": root / f"ends-{k}.npy" for k in range(args.publishers)}
+        pubs = [subprocess.Popen([sys.executable, "-m", "benchmarks.pipeline", "--role", "publisher",
+                                  "--worlds", str(args.worlds), "--seconds", str(args.seconds),
+                                  "--episode-length", str(args.episode_length), "--ends", str(ends),
+                                  "--connect", front, "--run", run, "--seed", str(args.seed + k)],
+                                 stdout=subprocess.PIPE, text=True, env=env)
+                for k, (run, ends) in enumerate(runs.items())]
+        procs += pubs
+        peak = 0
+        while daemon.poll() is None:
+            peak = max(peak, _vm_hwm(daemon.pid))
+            time.sleep(0.1)
+        t_stored = time.time()
+        assert daemon.stderr is not None
+        daemon_log = daemon.stderr.read()
+        summaries = []
+        for pub in pubs:
+            assert pub.stdout is not None
+            pub.stdout.readline()  # its endpoint
+            summaries.append(json.loads(pub.stdout.readline()))
+            pub.wait(120)
+        if daemon.returncode != 0:
+            raise RuntimeError(f"daemon exited {daemon.returncode}: {daemon_log[-2000:]}")
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    seconds = t_stored - min(s["t0"] for s in summaries)
+    total = sum(s["bytes"] for s in summaries)
+    steps = sum(s["steps"] for s in summaries)
+    checks = {run: _verify(store, np.load(ends), args.worlds, run) for run, ends in runs.items()}
+    from storage import RunStore
+
+    reader = RunStore(store)
+    complete = all(reader.info(run)["status"] == "complete" for run in runs)
+    return {"publishers": args.publishers, "steps": steps, "bytes": total, "e2e_seconds": seconds,
+            "publish_seconds": max(s["t_published"] for s in summaries) - min(s["t0"] for s in summaries),
+            "gb_per_s": total / seconds / 1e9, "steps_per_s": steps / seconds,
+            "daemon_peak_rss_bytes": peak, "daemon_log_tail": daemon_log[-500:],
+            "byte_equal": all(c["byte_equal"] for c in checks.values()), "runs_complete": complete,
+            "episodes_published": sum(c["episodes_published"] for c in checks.values()),
+            "episodes_stored": sum(c["episodes_stored"] for c in checks.values()),
+            "rows_checked": sum(c["rows_checked"] for c in checks.values()), "runs": checks}
+
+
+def _verify(store: Path, ends: np.ndarray, worlds: int, run: str = RUN) -> dict[str, Any]:
+    """Read every stored row of ``run`` back and compare it with the published payload, byte
+    for byte."""
     import zarr
 
     from storage import RunStore
 
     reader = RunStore(store)
-    eps = reader.episodes(RUN)
+    eps = reader.episodes(run)
     published = {tuple(int(x) for x in e[:2]) for e in ends}
     stored = set(zip(eps["world"].tolist(), eps["index"].tolist(), strict=True))
     ok = stored == published and len(eps) == len(ends)
@@ -280,9 +360,12 @@ def _verify(store: Path, ends: np.ndarray, worlds: int) -> dict[str, Any]:
     ok &= all(order[(w, i)] == (n, s) for w, i, n, s in zip(
         eps["world"].tolist(), eps["index"].tolist(), eps["length"].tolist(),
         eps["success"].tolist(), strict=True))
+    if not len(eps):  # no episode ended (a short run): nothing stored to read back
+        return {"byte_equal": bool(ok), "episodes_published": len(ends), "episodes_stored": 0,
+                "rows_checked": 0}
     root = zarr.open_group(store, mode="r")
-    base = f"runs/{RUN}"
-    meta = reader.info(RUN)["committed"]
+    base = f"runs/{run}"
+    meta = reader.info(run)["committed"]
     n_seg, n_ep = meta["segments"], meta["episodes"]
     seg = {c: root[f"{base}/segments/{c}"][:n_seg] for c in ("episode", "offset", "rows")}
     end_step = root[f"{base}/episodes/end_step"][:n_ep]
@@ -321,7 +404,7 @@ def _verify(store: Path, ends: np.ndarray, worlds: int) -> dict[str, Any]:
     rng = np.random.default_rng(0)  # and a sample through the reader API, whole episodes
     for i in rng.choice(len(eps), size=min(20, len(eps)), replace=False).tolist():
         w, idx, n, end = (int(eps[c][i]) for c in ("world", "index", "length", "end_step"))
-        got = reader.episode(RUN, w, idx)
+        got = reader.episode(run, w, idx)
         steps = np.arange(end - n, end)
         for name in pool:
             want = np.stack([_stamped(pool, s, np.array([w]))[name][0] for s in steps.tolist()]) \
@@ -347,7 +430,14 @@ def main() -> None:
     parser.add_argument("--transport", default="tcp", choices=("tcp", "ipc"),
                         help="publisher -> daemon transport (tcp loopback, or a unix socket)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--publishers", type=int, default=None, metavar="N",
+                        help="N publisher processes through a worldtap-proxy process (default: one "
+                             "publisher, no proxy)")
+    parser.add_argument("--connect", default=None, help=argparse_hidden())
+    parser.add_argument("--run", default=RUN, help=argparse_hidden())
     args = parser.parse_args()
+    if args.publishers is not None and args.publishers < 1:
+        parser.error(f"--publishers: expected a positive integer, got {args.publishers}")
     if args.role == "publisher":
         return _publisher(args)
     if args.role == "zmq-sender":
@@ -371,7 +461,7 @@ def main() -> None:
         # Half the ceiling trials before the pipeline and half after: a shared machine's
         # speed drifts, and the ratio should compare like with like.
         ceilings(-(-args.trials // 2))
-        result = _pipeline(args, root)
+        result = _pipeline(args, root) if args.publishers is None else _proxied(args, root)
         ceilings(args.trials // 2)
     finally:
         shutil.rmtree(root, ignore_errors=True)
@@ -389,13 +479,17 @@ def main() -> None:
         print_json({"benchmark": "pipeline", "machine": machine(), "versions": versions(),
                     "cases": [case]})
         return
-    print(table(["worlds", "steps/s", "e2e GB/s", "zmq GB/s", "zarr GB/s", "fraction",
-                 "writer GB/s", "of writer", "peak RSS MB", "byte-equal"],
-                [[args.worlds, result["steps_per_s"], result["gb_per_s"],
-                  ceilings["zmq"]["median"], ceilings["zarr"]["median"],
-                  case["fraction_of_slower_ceiling"], ceilings["writer"]["median"],
-                  case["fraction_of_writer_ceiling"], result["daemon_peak_rss_bytes"] / 1e6,
-                  result["byte_equal"]]]))
+    headers = ["worlds", "steps/s", "e2e GB/s", "zmq GB/s", "zarr GB/s", "fraction",
+               "writer GB/s", "of writer", "peak RSS MB", "byte-equal"]
+    row = [args.worlds, result["steps_per_s"], result["gb_per_s"],
+           ceilings["zmq"]["median"], ceilings["zarr"]["median"],
+           case["fraction_of_slower_ceiling"], ceilings["writer"]["median"],
+           case["fraction_of_writer_ceiling"], result["daemon_peak_rss_bytes"] / 1e6,
+           result["byte_equal"]]
+    if args.publishers is not None:
+        headers, row = ["publishers", *headers, "complete"], [args.publishers, *row, result["runs_complete"]]
+    print(table(headers, [row]))
+
 
 
 def argparse_hidden() -> str:

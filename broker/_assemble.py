@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from types import MappingProxyType
-from typing import Any, Final, cast
+from typing import Any, Final, cast, get_args
 
 import torch
 
@@ -34,7 +34,7 @@ MAX_BYTES: Final = 1 << 62
 """Ceiling on the bytes a shape may span whatever ``max_message_size`` says, so that no size a
 receiver derives from a decoded shape comes near int64 overflow."""
 
-_HOOKS: Final = frozenset({"pre_step", "post_step", "pre_reset", "post_reset"})
+_HOOKS: Final = frozenset(get_args(Hook))
 _KINDS: Final = ("uniform", "log_uniform", "normal", "choice", "design")
 _NUMERIC_KEYS: Final = ("low", "high", "mean", "std", "weights")
 _PHASES: Final = ("build", "runtime")

@@ -43,7 +43,9 @@ Phase: TypeAlias = Literal["build", "runtime"]
 BUILD: Final = "build"
 RUNTIME: Final = "runtime"
 
-Hook: TypeAlias = Literal["pre_step", "post_step", "pre_reset", "post_reset"]
+Hook: TypeAlias = Literal["pre_step", "post_step", "pre_reset", "post_reset", "post_physics_decimation_step"]
+"""The lifecycle points a :class:`Batch` comes from (``post_physics_decimation_step``: after each
+physics step inside an environment step, Isaac Lab's decimation loop)."""
 
 Label: TypeAlias = str | int | float | bool
 

@@ -24,7 +24,7 @@ from .errors import (
     translate_zmq_errors,
 )
 from .messages import TOPIC_RUN_END, Message, RunEnd, RunStart
-from .security import CurveServer, attach
+from .security import CurveClient, CurveServer, attach
 from .staging import Layout, Slot, Staged, StagingRing
 from .wire import SUBSCRIBER_ACK, SUBSCRIBER_HELLO, encode_header, message_tensors, tensor_spec
 
@@ -134,6 +134,12 @@ class ZmqPublisher:
     for a subscriber whose connection breaks are lost to it; it reports them as a gap if it
     comes back (same id) and sees later numbers of the stream.
 
+    Through a ``worldtap-proxy`` (:class:`broker.proxy.Proxy`; connect to its frontend with
+    ``bind=False``) the subscribers behind it join, count, announce their size limits and
+    confirm run ends as if they were connected here, and backpressure reaches this publisher.
+    While the proxy is down none of them counts; they re-join through the proxy that comes
+    back, and what was in flight is lost to them (gaps).
+
     Run ends: a subscriber confirms each ``RunEnd`` it receives; :meth:`close` waits for the
     confirmations of every live subscriber (ZeroMQ discards what a peer has not read when the
     connection closes). A ``RunEnd`` that a subscriber has not confirmed is sent again when
@@ -154,7 +160,9 @@ class ZmqPublisher:
         policy: ``"block"`` or ``"drop"``.
         send_timeout: Seconds a lossless send (or close) may wait before failing.
         slots: Staging slots in the ring (messages in flight at once).
-        curve: CURVE server keys and client allow-list; ``None`` for plain text.
+        curve: CURVE server keys and the subscribers' allow-list; or, for a publisher that
+            connects to a ``worldtap-proxy`` whose frontend is encrypted, client keys and the
+            proxy's public key (:class:`broker.CurveClient`); ``None`` for plain text.
         hwm: ZeroMQ send high-water mark (messages queued per subscriber).
         name: Consumer name shown by the broker.
         max_message_size: Largest message (topic, header and frames, in bytes) this publisher
@@ -174,7 +182,7 @@ class ZmqPublisher:
         policy: Policy = "block",
         send_timeout: float = 30.0,
         slots: int = 8,
-        curve: CurveServer | None = None,
+        curve: CurveServer | CurveClient | None = None,
         hwm: int = 64,
         name: str | None = None,
         max_message_size: int | None = None,
@@ -223,7 +231,7 @@ class ZmqPublisher:
         self._closed = self._closing = self._done = False
         self._close_deadline = 0.0
         self._ctx: zmq.Context[Any] = zmq.Context()
-        self._auth = curve.start_authenticator(self._ctx) if curve is not None else None
+        self._auth = curve.start_authenticator(self._ctx) if isinstance(curve, CurveServer) else None
         self.endpoints: tuple[str, ...] = ()
         try:
             self._socket = self._open(requested, bind, curve, hwm, heartbeat)
@@ -233,7 +241,7 @@ class ZmqPublisher:
         self._thread = threading.Thread(target=self._run, name=f"worldtap-zmq-pub-{self.id}", daemon=True)
         self._thread.start()
 
-    def _open(self, endpoints: list[str], bind: bool, curve: CurveServer | None, hwm: int,
+    def _open(self, endpoints: list[str], bind: bool, curve: CurveServer | CurveClient | None, hwm: int,
               heartbeat: float | None) -> zmq.Socket[Any]:
         with translate_zmq_errors("create XPUB socket"):
             sock: zmq.Socket[Any] = self._ctx.socket(zmq.XPUB)

@@ -129,7 +129,9 @@ class Subscriber:
 
     Liveness: the subscriber pings its publishers (ZMTP heartbeats) and asks them to treat it
     as gone after ``heartbeat`` seconds of silence, so a publisher stops counting (and waiting
-    for) a subscriber whose process or host died without closing its connections.
+    for) a subscriber whose process or host died without closing its connections. Behind a
+    ``worldtap-proxy`` (connect to its backend) it is the proxy that drops it, after the proxy's
+    own ``heartbeat``; publishers then stop counting it.
 
     A *bound* subscriber sends its subscriptions to a publisher that connects to it only while
     it is inside ``recv`` (ZeroMQ processes socket commands in the owner's calls), so keep

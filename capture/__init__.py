@@ -1,4 +1,5 @@
-"""worldtap.capture: the producer side (recorder, terms, selectors, variations, gymnasium)."""
+"""worldtap.capture: the producer side (recorder, terms, selectors, variations, gymnasium; Isaac
+Lab's recorder manager in :mod:`capture.isaaclab`, imported on its own)."""
 
 from .cartpole import CartPoleRandomizer
 from .errors import (

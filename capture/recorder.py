@@ -7,9 +7,9 @@ import itertools
 import numbers
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from types import MappingProxyType, TracebackType
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -30,7 +30,7 @@ from broker.messages import Hook
 
 from .errors import RecorderClosedError, SchemaError, TermError
 from .selectors import WorldSelector, normalize_worlds
-from .terms import HOOKS, flatten_fields
+from .terms import HOOKS, ISAACLAB_PREFIX, flatten_fields, pair_fields
 
 __all__ = ["Recorder"]
 
@@ -40,13 +40,27 @@ _NUMERIC = frozenset({
 })
 
 
+class _Call(NamedTuple):
+    """One term's hook at one lifecycle point."""
+
+    topic: str
+    term: str
+    fn: Callable[..., Any]
+    isaaclab: bool
+    """The hook follows Isaac Lab's protocol: it returns ``(key, value)`` and reset hooks take
+    ``env_ids`` as a list of ints."""
+
+
 class Recorder:
     """Runs recorder terms at the simulation's lifecycle points and publishes what they return.
 
-    Call ``record_pre_step()`` / ``record_post_step()`` around every step and
-    ``record_pre_reset(worlds, ...)`` / ``record_post_reset(worlds)`` around every reset. Each
-    term hook's mapping is published as one :class:`broker.Batch` on ``batch/<term name>``;
-    the tensors are passed through uncopied (borrowed by the consumers for the call).
+    Call ``record_pre_step()`` / ``record_post_step()`` around every step,
+    ``record_post_physics_decimation_step()`` after each physics step inside one (if any term
+    records there), and ``record_pre_reset(worlds, ...)`` / ``record_post_reset(worlds)`` around
+    every reset. Each term hook's mapping is published as one :class:`broker.Batch` on
+    ``batch/<term name>`` (an Isaac Lab term's ``(key, value)`` on ``batch/<term name>/<hook>``,
+    see :class:`capture.Term`); the tensors are passed through uncopied (borrowed by the
+    consumers for the call).
 
     Episodes: every world has a running episode index kept on ``device``. ``record_pre_reset``
     publishes an :class:`broker.EpisodeEnd` for those worlds and advances their index; batches
@@ -101,7 +115,9 @@ class Recorder:
         self.run = run if run is not None else uuid.uuid4().hex[:16]
         self.metadata: Mapping[str, Any] = MappingProxyType(dict(metadata or {}))
         self._terms: dict[str, object] = {}
-        self._hooks: dict[str, list[tuple[str, Any]]] = {hook: [] for hook in HOOKS}
+        self._hooks: dict[str, list[_Call]] = {hook: [] for hook in HOOKS}
+        self._topics: set[str] = set()
+        self._batches = 0
         self._schemas: dict[str, TopicSchema] = {}
         self._variations: dict[str, dict[str, Any]] = {}
         self._all = torch.arange(num_worlds, device=self.device, dtype=torch.int64)
@@ -115,23 +131,68 @@ class Recorder:
 
     # -- configuration -------------------------------------------------------------------
 
-    def add_term(self, name: str, term: object) -> None:
-        """Register ``term`` under ``name``; its batches go to topic ``batch/<name>``.
+    @classmethod
+    def from_env(
+        cls,
+        env: object,
+        broker: Broker | None = None,
+        *,
+        run: str | None = None,
+        metadata: Mapping[str, Any] | None = None,
+        seed: int = 0,
+    ) -> Recorder:
+        """A recorder for the worlds of ``env``: ``num_worlds`` is ``env.num_envs`` and
+        ``device`` is ``env.device`` (read from ``env.unwrapped`` when a wrapper lacks them), or
+        ``"cpu"`` when the environment has no device (gymnasium vector environments). Isaac
+        Lab's environments have both. The other arguments are :class:`Recorder`'s.
 
         Raises:
-            ValueError: ``name`` is empty, contains whitespace, or is already registered.
-            TypeError: ``term`` has none of the hooks.
+            TypeError: ``env`` has no ``num_envs``.
+            ValueError: ``num_envs`` is not a positive int (or an argument is invalid).
+        """
+        num_envs = _env_attribute(env, "num_envs")
+        if num_envs is None:
+            raise TypeError(f"env: expected an environment with num_envs (an Isaac Lab or gymnasium "
+                            f"vector environment), got {type(env).__name__}")
+        device = _env_attribute(env, "device")
+        return cls(num_envs, "cpu" if device is None else device, broker, run=run, metadata=metadata,
+                   seed=seed)
+
+    def add_term(self, name: str, term: object) -> None:
+        """Register ``term`` under ``name``: a worldtap term (see :class:`capture.Term`), whose
+        batches go to topic ``batch/<name>``, or an Isaac Lab recorder term (hooks
+        ``record_<point>``), whose batches go to ``batch/<name>/<point>``, one topic per hook.
+
+        Raises:
+            ValueError: ``name`` is empty, contains whitespace (or ``/`` for an Isaac Lab
+                term), is already registered, or one of its topics is already taken.
+            TypeError: ``term`` has none of the hooks, or hooks of both protocols.
         """
         if not isinstance(name, str) or not name or any(c.isspace() for c in name):
             raise ValueError(f"name: expected a non-empty term name without whitespace, got {name!r}")
         if name in self._terms:
             raise ValueError(f"name: a term named {name!r} is already registered")
-        hooks = [(hook, getattr(term, hook)) for hook in HOOKS if callable(getattr(term, hook, None))]
-        if not hooks:
-            raise TypeError(f"term {name!r}: expected at least one of the hooks {', '.join(HOOKS)}")
+        native = [hook for hook in HOOKS if callable(getattr(term, hook, None))]
+        isaaclab = [hook for hook in HOOKS if callable(getattr(term, ISAACLAB_PREFIX + hook, None))]
+        if native and isaaclab:
+            raise TypeError(f"term {name!r}: expected the hooks of one protocol, got worldtap's "
+                            f"{', '.join(native)} and Isaac Lab's "
+                            f"{', '.join(ISAACLAB_PREFIX + h for h in isaaclab)}")
+        if not native and not isaaclab:
+            raise TypeError(f"term {name!r}: expected at least one of the hooks {', '.join(HOOKS)} "
+                            f"(or Isaac Lab's {ISAACLAB_PREFIX}<hook>)")
+        if isaaclab and "/" in name:
+            raise ValueError(f"name: an Isaac Lab term's name may not contain '/', got {name!r}")
+        calls = {hook: _Call(batch_topic(f"{name}/{hook}"), name, getattr(term, ISAACLAB_PREFIX + hook), True)
+                 for hook in isaaclab}
+        calls.update({hook: _Call(batch_topic(name), name, getattr(term, hook), False) for hook in native})
+        taken = sorted({call.topic for call in calls.values()} & self._topics)
+        if taken:
+            raise ValueError(f"name: term {name!r} would publish on {taken[0]!r}, another term's topic")
         self._terms[name] = term
-        for hook, fn in hooks:
-            self._hooks[hook].append((name, fn))
+        for hook, call in calls.items():
+            self._hooks[hook].append(call)
+            self._topics.add(call.topic)
 
     @property
     def terms(self) -> Mapping[str, object]:
@@ -169,6 +230,12 @@ class Recorder:
     def step(self) -> int:
         """Global step counter: number of ``record_post_step`` calls so far."""
         return self._step
+
+    @property
+    def batch_count(self) -> int:
+        """Number of batches published so far (a record call that published nothing leaves it
+        as it was)."""
+        return self._batches
 
     @property
     def closed(self) -> bool:
@@ -252,22 +319,76 @@ class Recorder:
                 self._length.index_add_(0, idx, torch.ones_like(idx))
         self._step += 1
 
+    def record_post_physics_decimation_step(self) -> None:
+        """Run every term's ``post_physics_decimation_step`` hook and publish the results: call
+        it after each physics step inside an environment step (Isaac Lab's decimation loop).
+        Neither the step counter nor the episode lengths advance; its rows carry the step they
+        happen in."""
+        self._run_hook("post_physics_decimation_step", None)
+
     def record_pre_reset(
         self,
         worlds: WorldSelector = None,
+        *,
         success: torch.Tensor | bool | None = None,
         terminated: torch.Tensor | bool | None = None,
         truncated: torch.Tensor | bool | None = None,
-        *,
         outcomes: Mapping[str, object] | None = None,
+        end: bool = True,
     ) -> torch.Tensor:
         """End the current episode of ``worlds``.
 
         Runs the ``pre_reset`` hooks (their batches belong to the ending episode), publishes
-        ``EpisodeEnd`` with the flags, then advances those worlds' episode index. Flags are a
-        bool, or a bool tensor of length ``len(worlds)`` (one flag per selected world, in the
-        selector's order) or ``num_worlds`` (indexed by world); ``None`` is False. When every
-        world is selected the two lengths agree and the flags are read in the selector's order.
+        ``EpisodeEnd`` with the flags, then advances those worlds' episode index (see
+        :meth:`end_episodes` for the flags and ``outcomes``). The flags are keyword-only:
+        ``record_pre_reset(worlds, True)`` is a ``TypeError``, never a silent success.
+
+        Args:
+            end: ``False``: only run the ``pre_reset`` hooks; the episode goes on (later rows
+                still belong to it) until :meth:`end_episodes`, and no flag may be given.
+
+        Returns:
+            The normalized world index tensor (empty selections record nothing).
+
+        Raises:
+            ValueError: A flag or an outcome has the wrong type, dtype or length, an outcome's
+                name is invalid, or flags come with ``end=False``; the episode does not end then.
+        """
+        idx = self.select(worlds)
+        self._ensure_open()
+        if not end:
+            given = [n for n, v in (("success", success), ("terminated", terminated),
+                                    ("truncated", truncated), ("outcomes", outcomes)) if v is not None]
+            if given:
+                raise ValueError(f"{given[0]}: flags and outcomes end an episode; with end=False pass "
+                                 f"them to end_episodes")
+        if idx.numel() == 0:
+            return idx
+        if not end:
+            self._run_hook("pre_reset", idx)
+            return idx
+        flags, extra = self._end_values(idx, success, terminated, truncated, outcomes)
+        self._run_hook("pre_reset", idx)
+        self._publish_end(idx, flags, extra)
+        return idx
+
+    def end_episodes(
+        self,
+        worlds: WorldSelector = None,
+        *,
+        success: torch.Tensor | bool | None = None,
+        terminated: torch.Tensor | bool | None = None,
+        truncated: torch.Tensor | bool | None = None,
+        outcomes: Mapping[str, object] | None = None,
+    ) -> torch.Tensor:
+        """End the current episode of ``worlds`` without running any hook: publish
+        ``EpisodeEnd`` with the flags, then advance those worlds' episode index; what is
+        recorded after it for those worlds belongs to the next episode.
+
+        Flags are a bool, or a bool tensor of length ``len(worlds)`` (one flag per selected
+        world, in the selector's order) or ``num_worlds`` (indexed by world); ``None`` is False.
+        When every world is selected the two lengths agree and the flags are read in the
+        selector's order.
 
         ``outcomes`` maps a name (non-empty, no ``/`` or whitespace) to extra numeric episode
         outcomes (e.g. ``{"return": returns}``): a number for every selected world, or a 1-D
@@ -276,7 +397,7 @@ class Recorder:
         ``EpisodeEnd.outcomes`` as new float64 tensors on the recorder's device.
 
         Returns:
-            The normalized world index tensor (empty selections record nothing).
+            The normalized world index tensor (empty selections end nothing).
 
         Raises:
             ValueError: A flag or an outcome has the wrong type, dtype or length, or an
@@ -286,19 +407,8 @@ class Recorder:
         self._ensure_open()
         if idx.numel() == 0:
             return idx
-        if not self._started:
-            self.start()
-        flags = [self._flag(v, idx, n) for v, n in ((success, "success"), (terminated, "terminated"),
-                                                     (truncated, "truncated"))]
-        extra = self._outcomes(outcomes, idx)
-        self._run_hook("pre_reset", idx)
-        episodes = self._episode.index_select(0, idx)
-        self.broker.publish(
-            EpisodeEnd(self.run, self.next_seq(), self._step, idx, episodes, flags[0], flags[1],
-                       flags[2], self._length.index_select(0, idx), outcomes=extra)
-        )
-        self._episode.index_add_(0, idx, torch.ones_like(idx))
-        self._length.index_fill_(0, idx, 0)
+        flags, extra = self._end_values(idx, success, terminated, truncated, outcomes)
+        self._publish_end(idx, flags, extra)
         return idx
 
     def record_post_reset(self, worlds: WorldSelector = None) -> torch.Tensor:
@@ -343,6 +453,28 @@ class Recorder:
     def _ensure_open(self) -> None:
         if self._closed:
             raise RecorderClosedError(f"recorder of run {self.run!r} is closed")
+
+    def _end_values(
+        self, idx: torch.Tensor, success: torch.Tensor | bool | None, terminated: torch.Tensor | bool | None,
+        truncated: torch.Tensor | bool | None, outcomes: Mapping[str, object] | None,
+    ) -> tuple[list[torch.Tensor], dict[str, torch.Tensor]]:
+        """The checked flags and outcomes of an ``EpisodeEnd`` for ``idx`` (checked before any
+        hook runs, so a bad one records nothing)."""
+        flags = [self._flag(v, idx, n) for v, n in ((success, "success"), (terminated, "terminated"),
+                                                     (truncated, "truncated"))]
+        return flags, self._outcomes(outcomes, idx)
+
+    def _publish_end(self, idx: torch.Tensor, flags: list[torch.Tensor], extra: dict[str, torch.Tensor]) -> None:
+        """Publish ``EpisodeEnd`` for ``idx`` and advance their episode index."""
+        if not self._started:
+            self.start()
+        episodes = self._episode.index_select(0, idx)
+        self.broker.publish(
+            EpisodeEnd(self.run, self.next_seq(), self._step, idx, episodes, flags[0], flags[1],
+                       flags[2], self._length.index_select(0, idx), outcomes=extra)
+        )
+        self._episode.index_add_(0, idx, torch.ones_like(idx))
+        self._length.index_fill_(0, idx, 0)
 
     def _flag(self, value: torch.Tensor | bool | None, idx: torch.Tensor, name: str) -> torch.Tensor:
         n = idx.numel()
@@ -405,8 +537,9 @@ class Recorder:
         return value
 
     def _run_hook(self, hook: Hook, idx: torch.Tensor | None, *, rows: torch.Tensor | None = None) -> None:
-        """Run ``hook`` of every term (called with ``idx`` for reset hooks) and publish each
-        batch; ``rows``: publish only these worlds' rows of the (every-world) batches."""
+        """Run ``hook`` of every term (called with ``idx`` for reset hooks; an Isaac Lab term
+        with ``idx`` as a list of ints) and publish each batch; ``rows``: publish only these
+        worlds' rows of the (every-world) batches."""
         calls = self._hooks[hook]
         if not calls:
             return
@@ -415,23 +548,34 @@ class Recorder:
             self.start()
         worlds = self._all if idx is None else idx
         n = worlds.shape[0]
+        env_ids: list[int] | None = None
         episodes: torch.Tensor | None = None
-        for name, fn in calls:
-            out = fn() if idx is None else fn(idx)
-            if out is None:
-                continue
-            fields = flatten_fields(out, name)
+        for call in calls:
+            if call.isaaclab:
+                if idx is not None and env_ids is None:
+                    env_ids = idx.tolist()  # what Isaac Lab's manager hands its terms
+                out = call.fn() if idx is None else call.fn(env_ids)
+                fields = pair_fields(out, call.term, hook)
+                if fields is None:
+                    continue
+                # Isaac Lab's manager pairs row i with the i-th world and ignores extra rows.
+                fields = {f: t[:n] if t.dim() and t.shape[0] > n else t for f, t in fields.items()}
+            else:
+                out = call.fn() if idx is None else call.fn(idx)
+                if out is None:
+                    continue
+                fields = flatten_fields(out, call.term)
             if not fields:
                 continue
-            topic = batch_topic(name)
-            self._check(topic, fields, n)
+            self._check(call.topic, fields, n)
             if rows is not None:
                 fields = {f: t.index_select(0, rows) for f, t in fields.items()}
             if episodes is None:
                 at = idx if rows is None else rows
                 episodes = self._episode if at is None else self._episode.index_select(0, at)
-            self.broker.publish(Batch(self.run, self.next_seq(), self._step, topic,
+            self.broker.publish(Batch(self.run, self.next_seq(), self._step, call.topic,
                                       worlds if rows is None else rows, episodes, fields, hook))
+            self._batches += 1
 
     def _check(self, topic: str, fields: dict[str, torch.Tensor], n: int) -> None:
         """Check a term's batch: leading worlds dimension and device (:class:`TermError`), then
@@ -457,3 +601,12 @@ class Recorder:
             raise TermError(
                 f"topic {topic!r} field {f!r}: expected a tensor on {self.device}, got one on {t.device}"
             )
+
+
+def _env_attribute(env: object, name: str) -> Any:
+    """``env.<name>``, else ``env.unwrapped.<name>`` (gymnasium wrappers do not forward
+    attributes), else ``None``."""
+    value = getattr(env, name, None)
+    if value is None:
+        value = getattr(getattr(env, "unwrapped", None), name, None)
+    return value

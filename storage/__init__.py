@@ -18,16 +18,20 @@ from .errors import (
     StoreLockedError,
 )
 from .lock import FencedStore, StoreLease, StoreLock
-from .reader import RunStore, Table
+from .query import QueryError
+from .reader import EpisodeBatch, RunStore, Table
 from .run_writer import EpisodeRows, RunStoreWriter, RunWriter
+from .xarray_support import episode_coordinate
 
 __all__ = [
     "DaemonStatistics",
+    "EpisodeBatch",
     "EpisodeNotFoundError",
     "EpisodeRows",
     "ExportMode",
     "FencedStore",
     "LeaseExpiredError",
+    "QueryError",
     "RejectedMessage",
     "RunNotFoundError",
     "RunStore",
@@ -41,5 +45,6 @@ __all__ = [
     "StoreLock",
     "StoreLockedError",
     "Table",
+    "episode_coordinate",
     "failed_store_location",
 ]

@@ -57,6 +57,7 @@ __all__ = [
     "child_nodes",
     "resize_tail",
     "to_json",
+    "url_options",
     "zero_rows",
 ]
 
@@ -64,8 +65,10 @@ FORMAT: Final = "worldtap.runstore"
 FORMAT_VERSION: Final = 2
 """Version 2: node names escaped reversibly (:func:`node_name`), every chunk checksummed
 (crc32c), every chunk written (tables too), bfloat16 fields stored as their bits."""
-HOOKS: Final = ("pre_step", "post_step", "pre_reset", "post_reset")
-"""Lifecycle points, in the order of their codes in ``data/<term>/_hook``."""
+HOOKS: Final = ("pre_step", "post_step", "pre_reset", "post_reset", "post_physics_decimation_step")
+"""Lifecycle points, in the order of their codes in ``data/<term>/_hook``. Append-only: a new
+point gets the next code, so the codes of existing stores keep their meaning (a store whose
+root lists fewer hooks is brought up to this list when a writer opens it)."""
 STEP_NODE: Final = "_step"
 HOOK_NODE: Final = "_hook"
 """Nodes of a term's row columns in ``data/<term>/``: the global step (int64) and the lifecycle
@@ -281,6 +284,60 @@ def local_path(location: StoreLocation) -> Path | None:
     return Path(text)
 
 
+_EXTRAS: Final[Mapping[str, str]] = {"s3": "s3", "s3a": "s3", "gs": "gcs", "gcs": "gcs"}
+"""fsspec protocols whose filesystem a worldtap extra installs (``pip install 'worldtap[s3]'``)."""
+_URL_OPTIONS: Final[Mapping[str, Mapping[str, Any]]] = {
+    "s3": {"max_concurrency": 1},
+}
+"""Options worldtap opens URLs of a protocol with, unless fsspec's configuration sets them.
+Every URL store gets ``use_listings_cache=False``: a cached listing never learns of runs
+another process (or thread: fsspec keeps a filesystem per thread) adds, so a reader's
+``refresh()`` would not see them. s3fs reads a whole object with a HEAD first, to split it
+into concurrent ranged reads when it exceeds its 50 MiB block; chunks and metadata never do,
+so with ``max_concurrency=1`` a read is one request instead of two."""
+
+
+def url_options(url: str) -> dict[str, Any]:
+    """The fsspec options worldtap opens the store (or lease) URL ``url`` with.
+
+    Raises:
+        StoreFormatError: The filesystem of ``url``'s protocol is not installed (the message
+            names the ``pip install`` that adds it) or the protocol is unknown.
+    """
+    import fsspec
+
+    classes = [_filesystem(url, part) for part in url.split("::")]
+    if len(classes) > 1:  # a chained URL: its options are the user's, per protocol
+        return {}
+    protocol, cls = classes[0]
+    names = cls.protocol if isinstance(cls.protocol, tuple | list) else (protocol,)
+    options: dict[str, Any] = {"use_listings_cache": False}
+    for name in names:
+        options.update(_URL_OPTIONS.get(name, {}))
+    configured = {key for name in names for key in fsspec.config.conf.get(name, {})}
+    return {key: value for key, value in options.items() if key not in configured}
+
+
+def _filesystem(url: str, part: str) -> tuple[str, Any]:
+    """The protocol of one part of ``url`` and its fsspec filesystem class.
+
+    Raises:
+        StoreFormatError: The filesystem is not installed, or the protocol is unknown.
+    """
+    import fsspec
+
+    protocol = fsspec.core.split_protocol(part)[0] or "file"
+    try:
+        return protocol, fsspec.get_filesystem_class(protocol)
+    except ImportError as exc:
+        extra = _EXTRAS.get(protocol)
+        hint = f"pip install 'worldtap[{extra}]'" if extra else str(exc)
+        raise StoreFormatError(f"store {url!r}: the filesystem for {protocol}:// URLs is not "
+                               f"installed; {hint}") from None
+    except ValueError:
+        raise StoreFormatError(f"store {url!r}: unknown URL protocol {protocol!r}") from None
+
+
 def open_store(location: StoreLocation, *, fsync: bool = False, read_only: bool = False) -> Store:
     """A zarr store for a local directory, an fsspec URL (``s3://...``, ``memory://``) or a
     ready-made :class:`zarr.abc.store.Store`.
@@ -291,7 +348,8 @@ def open_store(location: StoreLocation, *, fsync: bool = False, read_only: bool 
 
     Raises:
         StoreFormatError: The location cannot be opened (missing directory when reading, a URL
-            whose filesystem is not installed, ...).
+            whose filesystem is not installed: the message names the ``pip install`` that
+            adds it, ...).
     """
     if isinstance(location, Store):
         return location
@@ -301,10 +359,12 @@ def open_store(location: StoreLocation, *, fsync: bool = False, read_only: bool 
             raise StoreFormatError(f"no run store at {str(path)!r}: the directory does not exist")
         cls = SyncedLocalStore if fsync and not read_only else LocalStore
         return cls(path, read_only=read_only)
+    url = os.fspath(location)
+    options = url_options(url)
     try:
-        return zarr.storage.FsspecStore.from_url(os.fspath(location), read_only=read_only)
+        return zarr.storage.FsspecStore.from_url(url, storage_options=options, read_only=read_only)
     except Exception as exc:  # fsspec raises many kinds; one of ours at the boundary
-        raise StoreFormatError(f"cannot open store URL {os.fspath(location)!r}: {exc}") from exc
+        raise StoreFormatError(f"cannot open store URL {url!r}: {exc}") from exc
 
 
 def child_nodes(group: zarr.Group) -> list[str]:

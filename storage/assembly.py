@@ -42,7 +42,7 @@ import torch
 from broker import Batch, EpisodeEnd, FieldSpec, RunEnd, RunStart, SchemaError, VariationSample
 from broker.messages import RESERVED_OUTCOMES
 
-from ._format import to_json
+from ._format import HOOKS, to_json
 from .episode_buffers import DenseTopicBuffer, EpisodePacker, Segment, TopicBuffer
 from .errors import StorageError, StoreFormatError
 from .run_writer import RunWriter
@@ -58,7 +58,6 @@ MAX_WORLDS = 1 << 24
 _MIN_PIECE = 512  # bytes: smallest write piece (a piece holds at least one row whatever its size)
 _WORLD_BYTES = 9  # per world: its episode index (int64) and whether it is seen whole (bool)
 _TOPIC_WORLD_BYTES = 24  # per world and topic: row count, first slot, world index (int64 each)
-_HOOK_NAMES = ("pre_step", "post_step", "pre_reset", "post_reset")
 GAP_JOINED_LATE = 2
 """Gap ``source`` of a run joined late: run sequence numbers ``[0, received)`` were published
 before this daemon saw the run (its first message was neither its ``RunStart`` nor seq 1)."""
@@ -385,7 +384,7 @@ class RunAssembly:
         fields: dict[str, np.ndarray] = {}
         specs: dict[str, FieldSpec] = {}
         try:
-            if msg.hook not in _HOOK_NAMES:
+            if msg.hook not in HOOKS:
                 raise RejectedMessage("hook", f"topic {topic!r}: unknown hook {msg.hook!r:.80}")
             if not isinstance(msg.fields, Mapping) or not msg.fields:
                 raise RejectedMessage("schema", f"topic {topic!r}: expected a non-empty mapping of "
@@ -499,11 +498,18 @@ class RunAssembly:
         self._pending_var_bytes += int(value.nbytes) + 32 * len(worlds)
 
     def on_gap(self, expected: int, received: int, topic: str) -> None:
-        """Messages were lost in transit (late joins included): every episode in progress is
-        incomplete now, and the gap is recorded."""
+        """Messages were lost in transit: the gap is recorded, and every episode in progress is
+        incomplete now, except after a gap of a topic's first messages (``expected == 0``).
+        Such a gap means this daemon joined the topic late (a resumed or joined run): what it
+        missed came before its first message of the run, whose episodes are dropped already
+        (a resumed run starts with no world clean; a late join is :data:`GAP_JOINED_LATE`),
+        and any message lost after that leaves a hole in the run's sequence numbers, which
+        :meth:`check_seq` records and drops the episodes for. Dropping the episodes again
+        would lose those begun since the daemon (re)joined."""
         self.pending_gaps.append((int(expected), int(received), 0, str(topic)))
-        self._clean_start = False
-        self.invalidate(None)
+        if expected > 0:
+            self._clean_start = False
+            self.invalidate(None)
 
     def invalidate(self, worlds: np.ndarray | None) -> None:
         """The current episodes of ``worlds`` (all when ``None``) miss something: drop them."""

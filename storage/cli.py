@@ -19,9 +19,7 @@ from __future__ import annotations
 
 import argparse
 import logging
-import math
 import os
-import re
 import signal
 import sys
 import threading
@@ -29,6 +27,8 @@ from collections.abc import Sequence
 from contextlib import ExitStack
 from types import FrameType
 from typing import Any
+
+from broker.cli_args import check_endpoint, parse_size, positive_int, seconds
 
 from .daemon import StoreDaemon
 from .errors import StorageError, StoreDamagedError
@@ -39,63 +39,6 @@ from .status import StatusReporter, format_status
 __all__ = ["build_parser", "main", "parse_size", "store_locks", "subscriber_id"]
 
 _log = logging.getLogger("worldtap.storage")
-_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6,
-          "mib": 2**20, "g": 10**9, "gb": 10**9, "gib": 2**30}
-
-
-def parse_size(text: str) -> int:
-    """``"64MiB"`` -> 67108864. Accepts B, k/KB, KiB, M/MB, MiB, G/GB, GiB (case-insensitive)."""
-    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", text)
-    if match is None or match.group(2).lower() not in _UNITS:
-        raise argparse.ArgumentTypeError(f"expected a size such as 512MiB or 1GiB, got {text!r}")
-    value = int(float(match.group(1)) * _UNITS[match.group(2).lower()])
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"expected a positive size, got {text!r}")
-    return value
-
-
-def _seconds(*, zero: bool) -> Any:
-    def parse(text: str) -> float:
-        try:
-            value = float(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
-        if not math.isfinite(value) or value < 0 or (value == 0 and not zero):
-            raise argparse.ArgumentTypeError(
-                f"expected a finite number of seconds {'>= 0' if zero else '> 0'}, got {text!r}")
-        return value
-    return parse
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return value
-
-
-def check_endpoint(text: str) -> str:
-    """A ZeroMQ endpoint the daemon can use: ``tcp://HOST:PORT`` (port 1-65535, or ``*`` to
-    bind any) or ``ipc://PATH`` whose folder exists."""
-    scheme, sep, rest = text.partition("://")
-    if not sep or scheme not in ("tcp", "ipc"):
-        raise argparse.ArgumentTypeError(f"expected tcp://HOST:PORT or ipc://PATH, got {text!r}")
-    if scheme == "ipc":
-        folder = os.path.dirname(rest) or "."
-        if not rest or not os.path.isdir(folder):
-            raise argparse.ArgumentTypeError(f"{text!r}: the folder {folder!r} of the ipc socket does "
-                                             f"not exist")
-        return text
-    host, colon, port = rest.rpartition(":")
-    if not colon or not host:
-        raise argparse.ArgumentTypeError(f"expected tcp://HOST:PORT, got {text!r}")
-    if port != "*" and not (port.isdigit() and 1 <= int(port) <= 65535):
-        raise argparse.ArgumentTypeError(f"{text!r}: the port must be 1-65535 or *, got {port!r}")
-    return text
-
 
 _SERVE_HELP = "Persist worldtap runs received over ZeroMQ into a Zarr run store."
 
@@ -103,6 +46,8 @@ _SERVE_HELP = "Persist worldtap runs received over ZeroMQ into a Zarr run store.
 #: (one line), ``add_arguments(parser)`` and ``run(args) -> int`` (the exit code), and imports
 #: nothing heavy at module level (building the parser imports every one of them).
 SUBCOMMANDS: dict[str, str] = {
+    "export": "storage.export",
+    "episodes": "storage.query",
 }
 
 
@@ -151,20 +96,20 @@ def _serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="memory for buffered episodes (default 1GiB)")
     p.add_argument("--fsync", action="store_true",
                    help="sync data and index to disk before each commit (power-loss safe)")
-    p.add_argument("--commit-interval", type=_seconds(zero=True), default=0.5, metavar="SECONDS",
+    p.add_argument("--commit-interval", type=seconds(zero=True), default=0.5, metavar="SECONDS",
                    help="seconds between index commits while a run is busy (default 0.5)")
-    p.add_argument("--status-interval", type=_seconds(zero=False), default=5.0, metavar="SECONDS")
-    p.add_argument("--max-runs", type=_positive_int, default=64, metavar="N",
+    p.add_argument("--status-interval", type=seconds(zero=False), default=5.0, metavar="SECONDS")
+    p.add_argument("--max-runs", type=positive_int, default=64, metavar="N",
                    help="runs held in memory at once (default 64); the least recently active "
                         "is retired to admit another")
-    p.add_argument("--idle-timeout", type=_seconds(zero=False), default=600.0, metavar="SECONDS",
+    p.add_argument("--idle-timeout", type=seconds(zero=False), default=600.0, metavar="SECONDS",
                    help="retire a run after this long without a message (default 600; it "
                         "resumes if its messages come back)")
     p.add_argument("--max-message-size", type=parse_size, default=2**31 - 1, metavar="SIZE")
-    p.add_argument("--io-threads", type=_positive_int, default=os.cpu_count() or 2, metavar="N",
+    p.add_argument("--io-threads", type=positive_int, default=os.cpu_count() or 2, metavar="N",
                    help="threads that compress and write chunks (default: the CPU count; more "
                         "only add switching between threads)")
-    p.add_argument("--hwm", type=_positive_int, default=8, metavar="N",
+    p.add_argument("--hwm", type=positive_int, default=8, metavar="N",
                    help="ZeroMQ receive high-water mark: messages queued before the publisher "
                         "is slowed down (memory outside the budget: N x message size)")
     p.add_argument("--curve-keys", default=None, metavar="FILE",
@@ -172,10 +117,10 @@ def _serve_arguments(p: argparse.ArgumentParser) -> None:
                         "its public key must be on the publishers' allow-list")
     p.add_argument("--curve-server", default=None, metavar="FILE",
                    help="CURVE: the publishers' public key (.key file); needs --curve-keys")
-    p.add_argument("--lease-ttl", type=_seconds(zero=False), default=30.0, metavar="SECONDS",
+    p.add_argument("--lease-ttl", type=seconds(zero=False), default=30.0, metavar="SECONDS",
                    help="stores that are not local directories: seconds the daemon's lease on "
                         "the store lasts unrenewed (a resume after a crash waits this long)")
-    p.add_argument("--exit-after-runs", type=_positive_int, default=None, metavar="N",
+    p.add_argument("--exit-after-runs", type=positive_int, default=None, metavar="N",
                    help="exit once N runs have ended")
     p.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
 
@@ -266,6 +211,10 @@ def _serve(args: argparse.Namespace, stop: threading.Event) -> int:
     # The receiving thread releases the GIL for every large copy; with Python's default 5 ms
     # switch interval, taking it back from the writer's threads costs up to 5 ms each time.
     sys.setswitchinterval(0.001)
+    for location in (args.store, args.failed_store):
+        if str(location).startswith("memory://"):
+            _log.warning("store %r is held in this process's memory: it vanishes when the daemon "
+                         "exits", location)
 
     with ExitStack() as stack:
         locks = store_locks(args)

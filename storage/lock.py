@@ -33,6 +33,7 @@ from zarr.abc.buffer import Buffer, BufferPrototype
 from zarr.abc.store import ByteRequest, Store
 from zarr.storage import WrapperStore
 
+from ._format import url_options
 from .errors import LeaseExpiredError, StoreLockedError
 
 __all__ = ["FencedStore", "StoreLease", "StoreLock", "lock_path"]
@@ -131,6 +132,9 @@ class StoreLease(_Held):
 
     Raises:
         StoreLockedError: From ``acquire()``, when another daemon's lease has not expired.
+        StoreFormatError: The filesystem of ``url`` is not installed (the message names the
+            ``pip install`` that adds it).
+        ValueError: ``ttl`` or ``margin`` is out of range.
     """
 
     def __init__(self, url: str, *, ttl: float = 30.0, margin: float | None = None) -> None:
@@ -143,8 +147,9 @@ class StoreLease(_Held):
             raise ValueError(f"margin: expected seconds in [0, 2/3 of ttl), got {margin!r}")
         self.name, self.ttl, self.margin = url, ttl, margin
         self._renewed = -float("inf")  # monotonic time before the last successful write
+        options = url_options(url)  # (first: a missing filesystem is named for the store)
         self.url = url.rstrip("/") + ".lock"
-        self.fs, self.path = fsspec.core.url_to_fs(self.url)
+        self.fs, self.path = fsspec.core.url_to_fs(self.url, **options)
         self.token = uuid.uuid4().hex
         self.lost = threading.Event()
         self._stop = threading.Event()

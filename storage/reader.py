@@ -1,4 +1,5 @@
-"""The run-store reader: runs, the episode table, whole episodes, the variation (X, Y) table.
+"""The run-store reader: runs, the episode table, whole episodes, the variation (X, Y) table,
+queries, and bulk reads of many episodes at once.
 
 Only committed data is read: every array is cut at the counts of the run's ``committed``
 attribute, so rows a writer appended but never committed (or a crash left behind) never
@@ -9,17 +10,32 @@ Damage is reported, never read as data: a chunk that fails its checksum, a chunk
 inside the committed rows, or a run whose attributes cannot be read raise
 :class:`storage.StoreDamagedError` naming the run and the array, and one damaged run never
 hides the others (:meth:`RunStore.damaged` lists the runs that cannot be opened).
+
+Bulk reads (:meth:`RunStore.read_batch`, :meth:`RunStore.read_episodes`) gather the segments of
+many episodes and read every chunk they touch once: the stored chunk bytes are fetched and
+decoded with the array's own codecs (checksum included) on plain threads where the store and
+codecs allow it (local directories, memory stores), through zarr's asynchronous store and codec
+pipeline otherwise (fsspec URLs), and each chunk's rows are copied straight to where they
+belong in the output. A chunk missing inside the committed rows raises
+:class:`storage.StoreDamagedError` there too. Decoded chunks are kept in a small cache (least
+recently used out, ``cache_bytes``), so reading episodes one by one in storage order decodes
+each chunk once; the cache is emptied by :meth:`RunStore.refresh`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
+import asyncio
+from collections import OrderedDict
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import zarr
+from zarr.core.buffer import default_buffer_prototype
+from zarr.core.sync import sync
 
+from ._columns import SYNC_PATH, _threads
 from ._format import (
     FORMAT,
     FORMAT_VERSION,
@@ -35,8 +51,10 @@ from ._format import (
 from .errors import EpisodeNotFoundError, RunNotFoundError, StorageError, StoreDamagedError, StoreFormatError
 from .run_writer import read_meta
 
-__all__ = ["RunStore", "Table"]
+__all__ = ["EpisodeBatch", "RunStore", "Table"]
 
+_CONCURRENCY = 32
+"""Chunk fetches in flight at once on zarr's asynchronous path (fsspec stores)."""
 _EPISODE_OUT = ("run", "world", "index", "length", "success", "terminated", "truncated",
                 "end_step", "segments")
 
@@ -57,7 +75,8 @@ class Table:
         return iter(self.columns)
 
     def where(self, mask: np.ndarray) -> Table:
-        """The rows where the boolean ``mask`` is true."""
+        """The rows where the boolean ``mask`` is true (or, given integers, the rows at those
+        positions, in that order)."""
         return Table({k: v[mask] for k, v in self.columns.items()})
 
     def filter(self, **equal: Any) -> Table:
@@ -81,18 +100,109 @@ class Table:
         return pd.DataFrame({k: list(v) if v.ndim > 1 else v for k, v in self.columns.items()})
 
 
+@dataclass(frozen=True, slots=True, eq=False)
+class EpisodeBatch:
+    """Many episodes of one run read at once (:meth:`RunStore.read_batch`): the rows of every
+    episode concatenated, field by field.
+
+    The rows of episode ``i`` (row ``i`` of :attr:`table`) in field ``name`` are
+    ``data[name][offsets[name][i]:offsets[name][i + 1]]``; the fields of one term share one
+    offsets array. :meth:`episode` cuts them out.
+
+    Attributes:
+        run: The run read (``None`` for an empty selection of no particular run).
+        table: The episodes, one row each, in the order read.
+        data: ``"<term>/<field>"`` -> the rows of every episode, concatenated (bfloat16 fields
+            as float32, as :meth:`RunStore.episode` returns them).
+        offsets: ``"<term>/<field>"`` -> ``len(table) + 1`` int64 row offsets into ``data``.
+    """
+
+    run: str | None
+    table: Table
+    data: Mapping[str, np.ndarray]
+    offsets: Mapping[str, np.ndarray]
+
+    def __len__(self) -> int:
+        return len(self.table)
+
+    def episode(self, i: int) -> dict[str, np.ndarray]:
+        """Episode ``i``: the same keys and values as :meth:`RunStore.episode` (views into
+        :attr:`data`)."""
+        return {name: values[self.offsets[name][i]:self.offsets[name][i + 1]]
+                for name, values in self.data.items()}
+
+    def __iter__(self) -> Iterator[dict[str, np.ndarray]]:
+        """The episodes in order, as :meth:`episode` gives them."""
+        return (self.episode(i) for i in range(len(self)))
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class _Index:
+    """A run's committed episode and segment tables, as bulk reads use them. ``keys`` are the
+    episodes' ``(world, index)`` sorted; ``order[i]`` is the episode row of ``keys[i]``."""
+
+    world: np.ndarray
+    index: np.ndarray
+    keys: np.ndarray
+    order: np.ndarray
+    segment_start: np.ndarray
+    segment_count: np.ndarray
+    topic: np.ndarray
+    offset: np.ndarray
+    rows: np.ndarray
+
+
+class _ChunkCache:
+    """Decoded chunks by ``(array path, chunk index)``, the least recently used dropped first
+    once they hold more than ``capacity`` bytes."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.size = 0
+        self.items: OrderedDict[tuple[str, int], np.ndarray] = OrderedDict()
+
+    def get(self, key: tuple[str, int]) -> np.ndarray | None:
+        value = self.items.get(key)
+        if value is not None:
+            self.items.move_to_end(key)
+        return value
+
+    def put(self, key: tuple[str, int], value: np.ndarray) -> None:
+        if value.nbytes > self.capacity or key in self.items:
+            return
+        self.items[key] = value
+        self.size += value.nbytes
+        while self.size > self.capacity:
+            self.size -= self.items.popitem(last=False)[1].nbytes
+
+    def clear(self) -> None:
+        self.items.clear()
+        self.size = 0
+
+
 class RunStore:
     """Read-only view of a run store.
 
+    A ``RunStore`` is meant for one thread at a time; a process that forks (DataLoader
+    workers) should open its own.
+
     Args:
         location: Local directory, fsspec URL, or a zarr store.
+        cache_bytes: Decoded chunks kept for the bulk reads (least recently used dropped
+            first; 0 keeps none).
 
     Raises:
         StoreFormatError: ``location`` is not a worldtap run store (of this layout version).
+        ValueError: ``cache_bytes`` is negative.
     """
 
-    def __init__(self, location: StoreLocation) -> None:
+    def __init__(self, location: StoreLocation, *, cache_bytes: int = 64 << 20) -> None:
+        if not isinstance(cache_bytes, int) or cache_bytes < 0:
+            raise ValueError(f"cache_bytes: expected an integer >= 0, got {cache_bytes!r}")
         self.location = location
+        self._cache = _ChunkCache(cache_bytes)
+        self._indexes: dict[str, _Index] = {}
+        self._arrays: dict[tuple[str, str, str], zarr.Array[Any]] = {}
         try:
             self.root = zarr.open_group(open_store(location, read_only=True), mode="r")
             info = self.root.attrs.get("worldtap")
@@ -112,6 +222,9 @@ class RunStore:
 
     def refresh(self) -> None:
         """Re-read the committed state of every run (to see commits made since opening)."""
+        self._cache.clear()
+        self._indexes.clear()
+        self._arrays.clear()
         self._meta.clear()
         self._nodes.clear()
         self._damaged.clear()
@@ -269,17 +382,16 @@ class RunStore:
         for term, fields, read in self._episode_terms(run, world, index):
             for name, spec in fields.items():
                 value = read(node_name(name))
-                if spec.get("dtype") == "bfloat16":
-                    value = (value.astype(np.uint32) << 16).view(np.float32)
-                out[f"{term}/{name}"] = value
+                out[f"{term}/{name}"] = _float32(value) if spec.get("dtype") == "bfloat16" else value
         return out
 
     def episode_rows(self, run: str, world: int, index: int) -> dict[str, dict[str, np.ndarray]]:
         """The row columns of one committed episode, read from the same rows as
         :meth:`episode`: ``{term: {"step": ..., "hook": ...}}``, ``step`` the global step of
         each row (int64), ``hook`` its lifecycle point by name (an object array of str, one
-        of ``"pre_step"``, ``"post_step"``, ``"pre_reset"``, ``"post_reset"``; the store
-        holds their uint8 codes). Row ``i`` of a term's columns is row ``i`` of its fields.
+        of ``"pre_step"``, ``"post_step"``, ``"pre_reset"``, ``"post_reset"``,
+        ``"post_physics_decimation_step"``; the store holds their uint8 codes). Row ``i`` of a
+        term's columns is row ``i`` of its fields.
 
         Raises:
             EpisodeNotFoundError: No committed episode ``(run, world, index)``.
@@ -344,6 +456,467 @@ class RunStore:
 
             yield term, dict(meta["fields"][term]), read
 
+    # -- queries and bulk reads ------------------------------------------------------------
+
+    def query(self, where: str | None = None, run: str | None = None) -> Table:
+        """The episode table of ``run`` (every run when ``None``) with each episode's variation
+        values joined as columns, the rows where ``where`` holds.
+
+        Columns: those of :meth:`episodes`, then the factor columns of :meth:`variation_table`
+        (a scalar variation ``key``, one ``key[i]`` per component of a vector one, the code
+        ``key`` and the label ``key.label`` of a categorical one; NaN and ``None`` where an
+        episode has no value; a name an episode column already has is prefixed
+        ``variation.``).
+
+        ``where`` is an expression over the columns (see :func:`storage.query.evaluate`):
+        ``"not success and mass > 0.3"``, ``"world in [0, 3] and 10 <= index < 20"``,
+        ``"`pole[0]` > 1 or color.label == 'red'"``.
+
+        Raises:
+            QueryError: ``where`` cannot be parsed, names an unknown column, or is not a
+                condition on each episode.
+            RunNotFoundError: No run ``run``.
+            StoreDamagedError: Part of the tables is missing or corrupt.
+        """
+        from .query import evaluate
+
+        table = self._with_variations(self.episodes(run), run)
+        return table if where is None else table.where(evaluate(where, table.columns, len(table)))
+
+    def _with_variations(self, table: Table, run: str | None) -> Table:
+        """``table`` (episode rows) with the factor columns of :meth:`variation_table` joined."""
+        runs = [run] if run is not None else self.runs()
+        if not any(self._meta[r].get("variations") for r in runs):
+            return table
+        arrays = self.variation_table(run).arrays()
+        names = np.unique(np.concatenate([table["run"].astype(str), arrays.run.astype(str)]))
+        found = _locate(
+            (np.searchsorted(names, arrays.run.astype(str)), arrays.world, arrays.episode),
+            (np.searchsorted(names, table["run"].astype(str)), table["world"], table["index"]))
+        hit = found >= 0
+        columns = dict(table.columns)
+
+        def join(name: str, values: np.ndarray, fill: Any) -> None:
+            column = np.full(len(table), fill, dtype=values.dtype)
+            column[hit] = values[found[hit]]
+            columns[f"variation.{name}" if name in columns else name] = column
+
+        for j, name in enumerate(arrays.x_columns):
+            join(name, arrays.x[:, j], np.nan)
+        for key, labels in arrays.labels.items():
+            join(f"{key}.label", labels, None)
+        return Table(columns)
+
+    def read_batch(self, run: str | None = None, episodes: Table | str | None = None,
+                   fields: Sequence[str] | None = None, *, start: Any = None,
+                   stop: Any = None) -> EpisodeBatch:
+        """Many episodes of one run at once, each chunk of each array read once.
+
+        Args:
+            run: The run (may be ``None`` when the selection or the store names one run).
+            episodes: Which episodes, in which order: ``None`` (all of the run's, in the
+                episode table's order), a where-expression (:meth:`query`), or a
+                :class:`Table` with columns ``world`` and ``index`` (and ``run``), such as
+                :meth:`episodes` or :meth:`query` return.
+            fields: ``"<term>/<field>"`` names or term names (all of the term's fields);
+                ``None`` reads every field.
+            start, stop: Read only rows ``[start, stop)`` of each episode, in every term (an
+                int for all episodes, or one per episode; clipped to the episode's rows).
+
+        Returns:
+            The episodes' rows, concatenated per field, with their offsets; the batch's
+            ``table`` is the selection (with its columns) in its order.
+
+        Raises:
+            ValueError: The selection spans several runs, or names no run while the store has
+                several; ``start``/``stop`` are negative or of the wrong length; a field or
+                term the run lacks (the message names it).
+            TypeError: ``episodes`` or ``fields`` of the wrong type.
+            EpisodeNotFoundError: A selected episode is not committed.
+            RunNotFoundError: No run ``run``.
+            StoreDamagedError: Part of an episode is missing or corrupt in the store.
+        """
+        table = self._select(run, episodes)
+        runs = list(dict.fromkeys(table["run"].tolist()))
+        if len(runs) > 1:
+            raise ValueError(f"episodes: read_batch reads one run, the selection holds runs {runs}; "
+                             f"pass run= or use read_episodes")
+        name = runs[0] if runs else run
+        if name is None:
+            return EpisodeBatch(None, table, {}, {})
+        rows = self._locate(name, table["world"], table["index"])
+        first, last = _span(start, stop, len(rows))
+        data, offsets = self._gather(name, rows, self._fields(name, fields), first, last)
+        return EpisodeBatch(name, table, data, offsets)
+
+    def read_episodes(self, run: str | None = None, episodes: Table | str | None = None,
+                      fields: Sequence[str] | None = None, *,
+                      batch_bytes: int = 256 << 20) -> Iterator[dict[str, np.ndarray]]:
+        """Every selected episode, as :meth:`episode` returns it (``"<term>/<field>"`` ->
+        array), in the order of the selection, read in batches of about ``batch_bytes`` (each
+        batch as :meth:`read_batch` reads it).
+
+        Args:
+            run: The run; ``None`` for every run of the selection (all runs' episodes in
+                :meth:`episodes` order when ``episodes`` is ``None`` too).
+            episodes, fields: As :meth:`read_batch` takes them; a Table may mix runs.
+            batch_bytes: Rows read at once, in bytes (at least one episode per batch).
+
+        Raises:
+            As :meth:`read_batch`, at the call for a bad selection or field, and while
+            iterating for damage.
+        """
+        if not isinstance(batch_bytes, int) or batch_bytes < 1:
+            raise ValueError(f"batch_bytes: expected a positive integer, got {batch_bytes!r}")
+        table = self._select(run, episodes)
+        names = table["run"]
+        cuts = np.flatnonzero(names[1:] != names[:-1]) + 1 if len(names) else np.zeros(0, np.int64)
+        plans = []
+        for a, b in zip(np.r_[0, cuts].tolist(), np.r_[cuts, len(names)].tolist(), strict=True):
+            if b > a:
+                r = str(names[a])
+                rows = self._locate(r, table["world"][a:b], table["index"][a:b])
+                plans.append((r, rows, self._fields(r, fields)))
+
+        def batches() -> Iterator[dict[str, np.ndarray]]:
+            for r, rows, terms in plans:
+                sizes = self._episode_bytes(r, rows, terms)
+                ends = np.cumsum(sizes)
+                i = 0
+                while i < len(rows):
+                    j = max(i + 1, int(np.searchsorted(ends, ends[i] - sizes[i] + batch_bytes, "right")))
+                    data, offsets = self._gather(r, rows[i:j], terms, None, None)
+                    for k in range(j - i):
+                        yield {n: v[offsets[n][k]:offsets[n][k + 1]] for n, v in data.items()}
+                    i = j
+
+        return batches()
+
+    def _select(self, run: str | None, episodes: Table | str | None) -> Table:
+        """The selection of :meth:`read_batch`, with a ``run`` column.
+
+        Raises:
+            TypeError, ValueError: See :meth:`read_batch`.
+        """
+        if episodes is None:
+            return self.episodes(run)
+        if isinstance(episodes, str):
+            return self.query(episodes, run)
+        if not isinstance(episodes, Table):
+            raise TypeError(f"episodes: expected a Table, a where-expression or None, got "
+                            f"{type(episodes).__name__}")
+        missing = {"world", "index"} - set(episodes.columns)
+        if missing:
+            raise ValueError(f"episodes: the table lacks column(s) {sorted(missing)}; pass "
+                             f"rows of RunStore.episodes() or RunStore.query()")
+        if "run" in episodes.columns:
+            other = sorted({str(r) for r in episodes["run"].tolist()} - {run}) if run is not None else []
+            if other:
+                raise ValueError(f"episodes: run={run!r} was asked but the table holds rows of "
+                                 f"run(s) {other}")
+            return episodes
+        if run is None:
+            if len(self.runs()) != 1:
+                raise ValueError(f"episodes: the table has no run column and the store holds "
+                                 f"runs {self.runs()}; pass run=")
+            run = self.runs()[0]
+        self.info(run)
+        return Table({"run": np.full(len(episodes), run, dtype=object), **episodes.columns})
+
+    def _index(self, run: str) -> _Index:
+        """The run's committed episode and segment tables (read once per :meth:`refresh`)."""
+        index = self._indexes.get(run)
+        if index is None:
+            committed = self.info(run)["committed"]
+            n, n_seg = int(committed["episodes"]), int(committed["segments"])
+            egroup = self._group(run, "episodes", n)
+            sgroup = self._group(run, "segments", n_seg)
+            ep = {c: self._column(run, egroup, c, n, "int64")
+                  for c in ("world", "index", "segment_start", "segment_count")}
+            seg = {c: self._column(run, sgroup, c, n_seg, "int64") for c in ("topic", "offset", "rows")}
+            keys = _keys(ep["world"], ep["index"])
+            order = np.argsort(keys, kind="stable")
+            index = _Index(ep["world"], ep["index"], keys[order], order, ep["segment_start"],
+                           ep["segment_count"], seg["topic"], seg["offset"], seg["rows"])
+            self._indexes[run] = index
+        return index
+
+    def _locate(self, run: str, world: np.ndarray, index: np.ndarray) -> np.ndarray:
+        """Episode-table rows of the committed episodes ``(world[i], index[i])`` (the last
+        one, as :meth:`episode`, should a key repeat).
+
+        Raises:
+            EpisodeNotFoundError: One of them is not a committed episode of ``run``.
+        """
+        idx = self._index(run)
+        world, index = np.asarray(world, np.int64), np.asarray(index, np.int64)
+        rows = _find(idx.keys, idx.order, _keys(world, index))
+        if len(rows) and int(rows.min()) < 0:
+            i = int(np.argmin(rows))
+            raise EpisodeNotFoundError(f"run {run!r} has no committed episode with world={int(world[i])} "
+                                       f"index={int(index[i])} in store {self.location!r}")
+        return rows
+
+    def _fields(self, run: str, fields: Sequence[str] | None) -> dict[str, list[str]]:
+        """Term -> names of its fields to read, in the run's order.
+
+        Raises:
+            TypeError: ``fields`` is a str or not a sequence.
+            ValueError: A name is neither a term nor a ``"<term>/<field>"`` of the run.
+        """
+        stored: dict[str, list[str]] = {t: list(self.info(run)["fields"].get(t, {}))
+                                        for t in self._meta[run]["topics"]}
+        if fields is None:
+            return stored
+        if isinstance(fields, str) or not isinstance(fields, Sequence):
+            raise TypeError(f"fields: expected a list of names, got {fields!r}")
+        wanted: set[tuple[str, str]] = set()
+        for name in fields:
+            if name in stored:
+                wanted.update((name, f) for f in stored[name])
+                continue
+            hits = [(t, name[len(t) + 1:]) for t in stored
+                    if name.startswith(f"{t}/") and name[len(t) + 1:] in stored[t]]
+            if not hits:
+                known = [f"{t}/{f}" for t, fs in stored.items() for f in fs]
+                raise ValueError(f"fields: run {run!r} has no field or term {name!r}; terms "
+                                 f"{sorted(stored)}, fields {known}")
+            wanted.update(hits)
+        return {t: [f for f in fs if (t, f) in wanted] for t, fs in stored.items()
+                if any((t, f) in wanted for f in fs)}
+
+    def _segments(self, run: str, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The segments of episode rows ``rows``, in episode then segment order, and the
+        position in ``rows`` of the episode each belongs to.
+
+        Raises:
+            StoreDamagedError: An episode points past the committed segments.
+        """
+        idx = self._index(run)
+        first, count = idx.segment_start[rows], idx.segment_count[rows]
+        bad = (first < 0) | (count < 0) | (first + count > len(idx.topic))
+        if bad.any():
+            i = int(np.flatnonzero(bad)[0])
+            raise StoreDamagedError(f"run {run!r}: episode row {int(rows[i])} points at segments "
+                                    f"{int(first[i])}..{int(first[i] + count[i])}, {len(idx.topic)} "
+                                    f"are committed")
+        return _ranges(first, count), np.repeat(np.arange(len(rows)), count)
+
+    def _term_rows(self, run: str, rows: np.ndarray) -> dict[str, np.ndarray]:
+        """Term -> how many rows each episode of ``rows`` holds in it."""
+        idx = self._index(run)
+        seg, owner = self._segments(run, rows)
+        topic, counts = idx.topic[seg], idx.rows[seg]
+        return {term: np.bincount(owner[topic == code], counts[topic == code],
+                                  minlength=len(rows)).astype(np.int64)
+                for code, term in enumerate(self._meta[run]["topics"])}
+
+    def _episode_bytes(self, run: str, rows: np.ndarray, terms: Mapping[str, Sequence[str]]) -> np.ndarray:
+        """Bytes of the fields ``terms`` of each episode of ``rows``."""
+        counts = self._term_rows(run, rows)
+        out = np.zeros(len(rows), np.int64)
+        for term, names in terms.items():
+            for name in names:
+                arr = self._array(run, term, name)
+                if arr is not None:
+                    out += counts[term] * arr.dtype.itemsize * int(np.prod(arr.shape[1:], dtype=np.int64))
+        return out
+
+    def _array(self, run: str, term: str, name: str) -> zarr.Array[Any] | None:
+        """The array of field ``name`` of ``term``; ``None`` when the term holds no committed
+        rows and has no group.
+
+        Raises:
+            StoreDamagedError: The array or its group is missing though rows are committed, or
+                it is shorter than the committed rows.
+        """
+        arr = self._arrays.get((run, term, name))
+        if arr is None:
+            meta = self._meta[run]
+            tnode = meta.get("term_nodes", {}).get(term, node_name(term))
+            node = node_name(name)
+            where = f"runs/{self._nodes[run]}/data/{tnode}/{node}"
+            rows = int(meta["committed"]["rows"].get(term, 0))
+            group = self._group(run, f"data/{tnode}", rows)
+            if group is None:
+                return None
+            try:
+                found = group.get(node)
+            except Exception as exc:
+                raise StoreDamagedError(f"run {run!r}: array {where!r} cannot be opened: {exc!r}") from exc
+            if not isinstance(found, zarr.Array):
+                raise StoreDamagedError(f"run {run!r}: array {where!r} is missing")
+            if rows > found.shape[0]:
+                raise StoreDamagedError(f"run {run!r}: array {where!r} has {found.shape[0]} rows, "
+                                        f"{rows} are committed")
+            if tuple(found.chunks[1:]) != tuple(found.shape[1:]) or found.shards is not None:
+                raise StoreFormatError(f"run {run!r}: array {where!r} is chunked {found.chunks} "
+                                       f"(shape {found.shape}); a run store chunks rows only")
+            arr = self._arrays[run, term, name] = found
+        return arr
+
+    def _gather(self, run: str, rows: np.ndarray, terms: Mapping[str, Sequence[str]],
+                start: np.ndarray | None, stop: np.ndarray | None) -> tuple[dict[str, np.ndarray],
+                                                                           dict[str, np.ndarray]]:
+        """The fields ``terms`` of episode rows ``rows`` (only rows ``[start[i], stop[i])`` of
+        episode ``i`` when given), concatenated, and their offsets.
+
+        Raises:
+            StoreDamagedError: Part of an episode is missing or corrupt.
+        """
+        idx = self._index(run)
+        meta = self._meta[run]
+        seg, owner = self._segments(run, rows)
+        data: dict[str, np.ndarray] = {}
+        offsets: dict[str, np.ndarray] = {}
+        for code, term in enumerate(meta["topics"]):
+            if term not in terms:
+                continue
+            mine = idx.topic[seg] == code
+            at, count, who = idx.offset[seg][mine], idx.rows[seg][mine], owner[mine]
+            committed = int(meta["committed"]["rows"].get(term, 0))
+            bad = (at < 0) | (count < 0) | (at + count > committed)
+            if bad.any():
+                i = int(np.flatnonzero(bad)[0])
+                e = int(rows[who[i]])
+                raise StoreDamagedError(f"run {run!r}: a segment of episode ({int(idx.world[e])}, "
+                                        f"{int(idx.index[e])}) covers rows {int(at[i])}..{int(at[i] + count[i])} "
+                                        f"of term {term!r}, {committed} are committed")
+            if start is not None and stop is not None:
+                before = _before(count, who)
+                lo = np.maximum(before, start[who])
+                hi = np.minimum(before + count, stop[who])
+                keep = hi > lo
+                at, count, who = (at + lo - before)[keep], (hi - lo)[keep], who[keep]
+            offs = np.zeros(len(rows) + 1, np.int64)
+            np.cumsum(np.bincount(who, count, minlength=len(rows)).astype(np.int64), out=offs[1:])
+            src = _ranges(at, count)
+            for name in terms[term]:
+                arr = self._array(run, term, name)
+                if arr is None:
+                    continue
+                value = self._take(run, arr, src)
+                spec = meta["fields"][term][name]
+                data[f"{term}/{name}"] = _float32(value) if spec.get("dtype") == "bfloat16" else value
+                offsets[f"{term}/{name}"] = offs
+        return data, offsets
+
+    def _take(self, run: str, arr: zarr.Array[Any], src: np.ndarray) -> np.ndarray:
+        """Rows ``src`` of ``arr`` (in that order), each chunk they lie in read once.
+
+        Raises:
+            StoreDamagedError: One of those chunks is missing or fails to decode.
+        """
+        out = np.empty((len(src), *arr.shape[1:]), arr.dtype)
+        if not len(src):
+            return out
+        rows = int(arr.chunks[0])
+        cid = src // rows
+        order = None if bool(np.all(cid[1:] >= cid[:-1])) else np.argsort(cid, kind="stable")
+        grouped = cid if order is None else cid[order]
+        lo = np.flatnonzero(np.r_[True, grouped[1:] != grouped[:-1]])  # where each chunk's rows begin
+        ids = grouped[lo]
+        hi = np.r_[lo[1:], len(src)]
+
+        def place(k: int, chunk: np.ndarray) -> None:
+            a, b = int(lo[k]), int(hi[k])
+            if order is None:
+                local = src[a:b] - int(ids[k]) * rows
+                first = int(local[0])
+                if int(local[-1]) - first == b - a - 1 and (b - a < 3 or bool(np.all(np.diff(local) == 1))):
+                    out[a:b] = chunk[first:first + b - a]  # one contiguous run of the chunk's rows
+                else:
+                    out[a:b] = chunk[local]
+            else:
+                pos = order[a:b]
+                out[pos] = chunk[src[pos] - int(ids[k]) * rows]
+
+        where = arr.path
+        todo: list[int] = []
+        for k, chunk_id in enumerate(ids.tolist()):
+            cached = self._cache.get((where, chunk_id))
+            if cached is None:
+                todo.append(k)
+            else:
+                place(k, cached)
+        wanted = [int(ids[k]) for k in todo]
+        fetched = self._fetch(run, arr, wanted, lambda i, chunk: place(todo[i], chunk)) if todo else []
+        for chunk_id, chunk in zip(wanted, fetched, strict=True):
+            self._cache.put((where, chunk_id), chunk)
+        return out
+
+    def _fetch(self, run: str, arr: zarr.Array[Any], chunk_ids: list[int],
+               place: Callable[[int, np.ndarray], None]) -> list[np.ndarray]:
+        """Fetch and decode row chunks ``chunk_ids`` of ``arr``, calling ``place(i, chunk)``
+        for chunk ``chunk_ids[i]`` as soon as it is decoded (on the fetching threads: each
+        call must touch only its own part of the output); returns the decoded chunks.
+
+        Raises:
+            StoreDamagedError: A chunk is missing or fails to decode (its checksum included).
+        """
+        aa = arr.async_array
+        store = aa.store_path.store
+        prefix = f"{aa.store_path.path}/" if aa.store_path.path else ""
+        rest = (0,) * (len(arr.shape) - 1)
+        keys = [prefix + aa.metadata.encode_chunk_key((i, *rest)) for i in chunk_ids]
+        proto = default_buffer_prototype()
+        spec = aa.metadata.get_chunk_spec((0, *rest), aa.config, proto)
+        where = arr.path
+        chunks: list[np.ndarray | None] = [None] * len(keys)
+        missing: list[int] = []
+        codecs = _sync_codecs(aa)
+        if codecs is not None:
+            stages = []
+            for codec in codecs:
+                stages.append((codec, spec))
+                spec = codec.resolve_metadata(spec)
+
+            getter: Any = store
+
+            def work(i: int) -> None:
+                data: Any = getter.get_sync(keys[i], prototype=proto)
+                if data is None:
+                    missing.append(chunk_ids[i])
+                    return
+                for codec, s in reversed(stages):
+                    data = codec._decode_sync(data, s)
+                chunk = data.as_numpy_array()
+                place(i, chunk)
+                chunks[i] = chunk
+
+            futures = [_threads().submit(work, i) for i in range(len(keys))]
+            errors = [exc for f in futures if (exc := f.exception()) is not None]
+        else:
+            async def fetch() -> list[Any]:
+                gate = asyncio.Semaphore(_CONCURRENCY)
+
+                async def one(key: str) -> Any:
+                    async with gate:
+                        return await store.get(key, prototype=proto)
+
+                return list(await asyncio.gather(*(one(k) for k in keys)))
+
+            errors = []
+            try:
+                found = sync(fetch())
+                missing = [chunk_ids[i] for i, data in enumerate(found) if data is None]
+                if not missing:
+                    decoded = sync(aa.codec_pipeline.decode([(data, spec) for data in found]))
+                    for i, chunk in enumerate(decoded):
+                        if chunk is None:
+                            raise ValueError(f"chunk {chunk_ids[i]} decoded to nothing")
+                        value = chunks[i] = chunk.as_numpy_array()
+                        place(i, value)
+            except Exception as exc:
+                errors = [exc]
+        if missing:
+            raise StoreDamagedError(f"run {run!r}: array {where!r} lacks chunk(s) {sorted(missing)[:5]} "
+                                    f"of its committed rows")
+        if errors:
+            raise StoreDamagedError(f"run {run!r}: array {where!r} chunk(s) cannot be read: "
+                                    f"{errors[0]!r}") from errors[0]
+        return [c for c in chunks if c is not None]
+
     def gaps(self, run: str) -> Table:
         """Ranges ``[expected, received)`` the store never received: ``source`` 0 is a gap
         the transport reported in ``topic``'s wire numbering; the others are ranges of run
@@ -373,7 +946,7 @@ class RunStore:
         cols = {c: self._column(run, group, c, n, "int64") for c in ("world", "episode", "step", "seq")}
         value = self._column(run, group, "value", n, "float64")
         if meta["variations"][key]["field"]["dtype"] == "bfloat16" and len(value):
-            value = (value.astype(np.uint32) << 16).view(np.float32)
+            value = _float32(value)
         cols["value"] = value
         return Table(cols)
 
@@ -422,6 +995,93 @@ class RunStore:
             for _, _, message in sorted(events, key=lambda e: (e[0], e[1])):
                 table(message)
         return table
+
+
+def _sync_codecs(aa: Any) -> tuple[Any, ...] | None:
+    """The codecs of array ``aa`` (a ``zarr.AsyncArray``) in encoding order, when its chunks
+    can be fetched and decoded without the event loop (zarr's synchronous store and codec
+    protocols: local directories and memory stores); ``None`` otherwise."""
+    if not SYNC_PATH:
+        return None
+    from zarr.abc.codec import SupportsSyncCodec
+    from zarr.abc.store import SupportsGetSync
+    from zarr.core.codec_pipeline import BatchedCodecPipeline
+
+    pipeline = aa.codec_pipeline
+    if not (isinstance(pipeline, BatchedCodecPipeline) and isinstance(aa.store_path.store, SupportsGetSync)):
+        return None
+    codecs = (*pipeline.array_array_codecs, pipeline.array_bytes_codec, *pipeline.bytes_bytes_codecs)
+    return codecs if all(isinstance(c, SupportsSyncCodec) for c in codecs) else None
+
+
+def _float32(bits: np.ndarray) -> np.ndarray:
+    """bfloat16 values stored as their 16 bits, as float32 (exactly)."""
+    out: np.ndarray = (bits.astype(np.uint32) << 16).view(np.float32)
+    return out
+
+
+def _ranges(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """``concatenate([arange(s, s + c) for s, c in zip(starts, counts)])``, without the loop."""
+    counts = np.asarray(counts, np.int64)
+    total = int(counts.sum())
+    out: np.ndarray = np.arange(total, dtype=np.int64)
+    if total:
+        out += np.repeat(np.asarray(starts, np.int64) - (np.cumsum(counts) - counts), counts)
+    return out
+
+
+def _before(counts: np.ndarray, owner: np.ndarray) -> np.ndarray:
+    """For segments grouped by ``owner`` (ascending), the rows of the same owner before each."""
+    ends = np.cumsum(counts)
+    starts = ends - counts
+    first = np.r_[True, owner[1:] != owner[:-1]] if len(owner) else np.zeros(0, bool)
+    out: np.ndarray = starts - np.maximum.accumulate(np.where(first, starts, 0))
+    return out
+
+
+def _span(start: Any, stop: Any, n: int) -> tuple[np.ndarray | None, np.ndarray | None]:
+    """``start``/``stop`` of :meth:`RunStore.read_batch` as one int64 per episode.
+
+    Raises:
+        ValueError: A negative bound, or an array whose length is not ``n``.
+    """
+    if start is None and stop is None:
+        return None, None
+    out = []
+    for name, value, default in (("start", start, 0), ("stop", stop, np.iinfo(np.int64).max)):
+        bound = np.asarray(default if value is None else value)
+        if bound.ndim == 0:
+            bound = np.full(n, bound)
+        if bound.shape != (n,) or bound.dtype.kind not in "iu" or (n and int(bound.min()) < 0):
+            raise ValueError(f"{name}: expected an integer >= 0 or one per episode ({n}), got {value!r}")
+        out.append(bound.astype(np.int64))
+    return out[0], out[1]
+
+
+def _keys(*columns: np.ndarray) -> np.ndarray:
+    """The rows of int64 ``columns`` as one structured array (sorts lexicographically)."""
+    out = np.empty(len(columns[0]), [(f"k{i}", np.int64) for i in range(len(columns))])
+    for i, column in enumerate(columns):
+        out[f"k{i}"] = column
+    return out
+
+
+def _locate(table: tuple[np.ndarray, ...], wanted: tuple[np.ndarray, ...]) -> np.ndarray:
+    """For each row of the key columns ``wanted``, the position of the last row of ``table``
+    with the same keys, -1 where there is none."""
+    keys = _keys(*table)
+    order = np.argsort(keys, kind="stable")
+    return _find(keys[order], order, _keys(*wanted))
+
+
+def _find(keys: np.ndarray, order: np.ndarray, want: np.ndarray) -> np.ndarray:
+    """For each of ``want``, ``order[i]`` of the last ``keys[i]`` equal to it (``keys``
+    sorted), -1 where none is."""
+    pos = np.searchsorted(keys, want, side="right") - 1
+    found = pos >= 0
+    found[found] = keys[pos[found]] == want[found]
+    out: np.ndarray = np.where(found, order[np.maximum(pos, 0)], -1) if len(order) else np.full(len(want), -1)
+    return out
 
 
 def _missing_chunks(arr: zarr.Array[Any], start: int, stop: int) -> list[int]:

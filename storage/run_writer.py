@@ -130,6 +130,11 @@ class RunWriter:
     def __init__(self, owner: RunStoreWriter, group: zarr.Group | None, meta: dict[str, Any]) -> None:
         self._owner = owner
         self.group = group
+        self._debris = group is not None
+        """Whether the run's group may hold arrays no commit names (left by a crash): only if
+        it was in the store before this writer. A group this writer creates holds nothing
+        else, so its arrays are made without looking for (or deleting) anything first: on an
+        object store, each look costs requests."""
         self.meta = meta
         self.lock = threading.RLock()
         self._data: dict[str, TermColumns] = {}
@@ -236,7 +241,7 @@ class RunWriter:
                 chunk_key_encoding=CHUNK_KEYS, dimension_names=dims,  # type: ignore[arg-type]
                 attributes={"worldtap_field": {"name": name, **spec.to_dict()}},
                 config=APPEND_CONFIG,
-                overwrite=True,  # an array not in the committed meta is debris of a crash
+                overwrite=self._debris,  # an array not in the committed meta is debris of a crash
             ), 0)
 
         fields = {name: make(node_name(name), name, spec) for name, spec in specs.items()}
@@ -306,7 +311,7 @@ class RunWriter:
             rows = int(self.meta["committed"][name])
             made = {}
             for col, dtype in columns.items():
-                if col in tgroup:
+                if self._debris and col in tgroup:
                     arr = _as_array(tgroup[col], f"run {self.run!r} {name}/{col}")
                 else:
                     arr = tgroup.create_array(col, shape=(0,), dtype=dtype, chunks=(TABLE_CHUNK,),
@@ -339,7 +344,7 @@ class RunWriter:
                         node, shape=(0,), dtype="float64", chunks=(TABLE_CHUNK,), fill_value=np.nan,
                         compressors=self._owner.codecs, dimension_names=("episode",),
                         attributes={"worldtap_outcome": name}, config=APPEND_CONFIG,
-                        overwrite=True), 0)  # a column not in the committed meta is crash debris
+                        overwrite=self._debris), 0)  # a column not in the committed meta is crash debris
                     values = np.concatenate([np.full(n_ep, np.nan), values])
                     with self.lock:
                         self.meta.setdefault("outcomes", {})[name] = node
@@ -446,12 +451,12 @@ class RunWriter:
                 dims = ("sample", *(f"value_dim{i}" for i in range(len(spec.shape))))
                 vgroup.create_array("value", shape=(0, *spec.shape), dtype=numpy_dtype(spec.dtype),
                                     chunks=(TABLE_CHUNK, *spec.shape), dimension_names=dims,
-                                    compressors=self._owner.codecs, overwrite=True,
+                                    compressors=self._owner.codecs, overwrite=self._debris,
                                     config=APPEND_CONFIG)
                 for col in VAR_COLUMNS:
                     vgroup.create_array(col, shape=(0,), dtype="int64", chunks=(TABLE_CHUNK,),
                                         dimension_names=("sample",), compressors=self._owner.codecs,
-                                        overwrite=True, config=APPEND_CONFIG)
+                                        overwrite=self._debris, config=APPEND_CONFIG)
                 vmeta[key] = {"node": node, "phase": phase, "labels": to_json(labels),
                               "field": spec.to_dict()}
                 self.meta["committed"]["variations"].setdefault(key, 0)
@@ -609,7 +614,9 @@ class RunStoreWriter:
 
     Raises:
         StoreFormatError: ``location`` holds something that is not a worldtap run store (a
-            non-empty directory that is not a zarr store is never written to).
+            non-empty directory that is not a zarr store is never written to), or a run store
+            whose hook list neither is a beginning of :data:`HOOKS` (an older store, whose list
+            is extended) nor begins with it.
     """
 
     def __init__(self, location: StoreLocation, *, compression: Compression = "lz4",
@@ -647,10 +654,23 @@ class RunStoreWriter:
             raise StoreFormatError(
                 f"{location!r}: expected a {FORMAT} store of layout version {FORMAT_VERSION}, got "
                 f"{info!r}")
+        else:
+            self._extend_hooks(location, info)
         # Only now is it known to be a run store: its debris is ours to remove.
         self.debris_removed = remove_partial_files(path) if path is not None else 0
         self.runs_group = self.root.require_group("runs")
         self._runs: dict[str, RunWriter] = {}
+
+    def _extend_hooks(self, location: StoreLocation, info: dict[str, Any]) -> None:
+        """Bring the root's hook list up to :data:`HOOKS` (codes are append-only, so a store
+        written before a lifecycle point existed only lacks the newer names)."""
+        stored = info.get("hooks")
+        known = list(HOOKS)
+        if not isinstance(stored, list) or (stored != known[:len(stored)] and known != stored[:len(known)]):
+            raise StoreFormatError(f"{location!r}: its hooks {stored!r:.200} do not extend or begin "
+                                   f"with this writer's {known!r}, so its hook codes mean something else")
+        if len(stored) < len(known):
+            self.root.update_attributes({"worldtap": {**info, "hooks": known}})
 
     def has_run(self, run: str) -> bool:
         """Whether the store holds a group for run id ``run``."""

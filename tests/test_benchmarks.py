@@ -20,6 +20,8 @@ TINY: dict[str, list[str]] = {
     "transport": ["--worlds", "8", "--seconds", "0.5", "--rounds", "2"],
     "pipeline": ["--worlds", "8", "--seconds", "1", "--trials", "1"],
     "capture": ["--worlds", "8", "--steps", "5", "--trials", "2"],
+    "read": ["--worlds", "4", "--episodes", "16", "--episode-length", "6", "--trials", "1",
+             "--loop-episodes", "3", "--workers", "0"],
 }
 
 MODULES = sorted(m.name for m in pkgutil.iter_modules(benchmarks.__path__) if not m.name.startswith("_"))
@@ -48,3 +50,9 @@ def test_benchmark_smoke(name: str, tmp_path: Path) -> None:
             assert set(case["append_ms"]) == {"baseline", "batched", "floor"}
             assert len(case["append_ms"]["batched"]["samples"]) == 2
             assert case["speedup_vs_baseline"] > 0
+    if name == "read":
+        case = doc["cases"][0]
+        assert case["byte_equal"] is True
+        assert set(case["results"]) == {"episode_loop", "read_episodes", "read_batch", "dataloader", "zarr"}
+        assert case["results"]["read_batch"]["episodes"] == case["episodes"] >= 16
+        assert all(r["gb_per_s"] > 0 and r["speedup_vs_episode_loop"] > 0 for r in case["results"].values())

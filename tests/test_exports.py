@@ -37,8 +37,8 @@ EXPORTS: dict[str, set[str]] = {
         "render_table", "run_live", "to_json", "write_outputs",
     },
     "storage": {
-        "DaemonStatistics", "EpisodeNotFoundError", "EpisodeRows", "ExportMode", "FencedStore",
-        "LeaseExpiredError", "RejectedMessage",
+        "DaemonStatistics", "EpisodeBatch", "EpisodeNotFoundError", "EpisodeRows", "episode_coordinate", "ExportMode", "FencedStore",
+        "LeaseExpiredError", "QueryError", "RejectedMessage",
         "RunNotFoundError", "RunStore", "RunStoreWriter", "RunWriter", "StorageError",
         "StoreDaemon", "StoreDamagedError", "StoreFormatError", "StoreLease", "StoreLock", "StoreLockedError", "Table",
         "failed_store_location",

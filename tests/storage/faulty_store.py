@@ -1,6 +1,10 @@
-"""A local zarr store that lets a test act on its Nth write: fail it (an injected disk error) or
-kill the process there (the kill campaign). Writes are every ``set``, ``set_if_not_exists``,
-``set_sync``, ``delete`` and ``delete_sync``, on any thread, counted in order."""
+"""Zarr stores that let a test act on their Nth write: fail it (an injected disk error) or kill
+the process there (the kill campaign). Writes are every ``set``, ``set_if_not_exists``,
+``set_sync``, ``delete`` and ``delete_sync`` (and, through :func:`faulty`, ``delete_dir``), on
+any thread, counted in order.
+
+:class:`FaultyStore` is a local directory; :func:`faulty` wraps any store (a memory store, an
+fsspec URL's store) and keeps the synchronous write path of stores that have one."""
 
 from __future__ import annotations
 
@@ -12,29 +16,23 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from zarr.abc.store import Store, SupportsDeleteSync, SupportsSetSync
 from zarr.core.buffer import Buffer
-from zarr.storage import LocalStore
+from zarr.storage import LocalStore, WrapperStore
 
 Action = Callable[[int, str, bytes | None], None]
 """Called as ``action(n, key, value)`` before write number ``n`` (1-based) of ``key``; raising
 makes that write fail, returning lets it happen."""
 
 
-class FaultyStore(LocalStore):
-    """A :class:`LocalStore` that calls ``before`` before every write (and ``after`` after it)."""
+class _Counted:
+    """Counts writes in order and calls ``before`` / ``after`` around each."""
 
-    def __init__(self, root: Path | str, *, before: Action | None = None,
-                 after: Action | None = None, read_only: bool = False) -> None:
-        super().__init__(root, read_only=read_only)
+    def _count_writes(self, before: Action | None, after: Action | None) -> None:
         self.before, self.after = before, after
         self.writes = 0
         self.keys: list[str] = []
         self._count = threading.Lock()
-
-    def __eq__(self, other: object) -> bool:
-        return self is other
-
-    __hash__ = object.__hash__
 
     def _hook(self, key: str, value: Buffer | None) -> int:
         with self._count:
@@ -48,6 +46,20 @@ class FaultyStore(LocalStore):
     def _done(self, n: int, key: str, value: Buffer | None) -> None:
         if self.after is not None:
             self.after(n, key, None if value is None else value.to_bytes())
+
+
+class FaultyStore(_Counted, LocalStore):
+    """A :class:`LocalStore` that calls ``before`` before every write (and ``after`` after it)."""
+
+    def __init__(self, root: Path | str, *, before: Action | None = None,
+                 after: Action | None = None, read_only: bool = False) -> None:
+        super().__init__(root, read_only=read_only)
+        self._count_writes(before, after)
+
+    def __eq__(self, other: object) -> bool:
+        return self is other
+
+    __hash__ = object.__hash__
 
     async def set(self, key: str, value: Buffer) -> None:
         n = self._hook(key, value)
@@ -73,6 +85,65 @@ class FaultyStore(LocalStore):
         n = self._hook(key, None)
         super().delete_sync(key)
         self._done(n, key, None)
+
+
+class FaultyWrapper(_Counted, WrapperStore[Store]):
+    """Any zarr store, calling ``before`` before every write (and ``after`` after it). Build it
+    with :func:`faulty`."""
+
+    def __init__(self, store: Store, *, before: Action | None = None, after: Action | None = None) -> None:
+        super().__init__(store)
+        self._count_writes(before, after)
+
+    def _with_store(self, store: Store) -> FaultyWrapper:
+        return type(self)(store, before=self.before, after=self.after)
+
+    def __eq__(self, other: object) -> bool:
+        return self is other
+
+    __hash__ = object.__hash__
+
+    async def set(self, key: str, value: Buffer) -> None:
+        n = self._hook(key, value)
+        await self._store.set(key, value)
+        self._done(n, key, value)
+
+    async def set_if_not_exists(self, key: str, value: Buffer) -> None:
+        n = self._hook(key, value)
+        await self._store.set_if_not_exists(key, value)
+        self._done(n, key, value)
+
+    async def delete(self, key: str) -> None:
+        n = self._hook(key, None)
+        await self._store.delete(key)
+        self._done(n, key, None)
+
+    async def delete_dir(self, prefix: str) -> None:
+        n = self._hook(prefix, None)
+        await self._store.delete_dir(prefix)
+        self._done(n, prefix, None)
+
+
+class _SyncFaultyWrapper(FaultyWrapper):
+    """A :class:`FaultyWrapper` of a store with zarr's synchronous writes (local, memory)."""
+
+    def set_sync(self, key: str, value: Buffer) -> None:
+        n = self._hook(key, value)
+        self._store.set_sync(key, value)  # type: ignore[attr-defined]
+        self._done(n, key, value)
+
+    def delete_sync(self, key: str) -> None:
+        n = self._hook(key, None)
+        self._store.delete_sync(key)  # type: ignore[attr-defined]
+        self._done(n, key, None)
+
+
+def faulty(store: Store, *, before: Action | None = None, after: Action | None = None) -> FaultyWrapper:
+    """``store`` wrapped to call ``before``/``after`` around each write; the wrapper has
+    ``set_sync``/``delete_sync`` exactly when ``store`` has them, so the daemon writes through
+    it on the same path as through ``store``."""
+    sync = isinstance(store, SupportsSetSync) and isinstance(store, SupportsDeleteSync)
+    return (_SyncFaultyWrapper if sync else FaultyWrapper)(store, before=before, after=after)
 
 
 def fail_at(n: int, *, persistent: bool = False) -> Action:

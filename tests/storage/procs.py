@@ -15,9 +15,9 @@ ENV = {**os.environ, "PYTHONPATH": str(ROOT)}
 class Proc:
     """A child process whose stdout and stderr lines are collected by background threads."""
 
-    def __init__(self, args: list[str], cwd: Path) -> None:
+    def __init__(self, args: list[str], cwd: Path, env: dict[str, str] | None = None) -> None:
         self.args = args
-        self.popen = subprocess.Popen(args, cwd=cwd, env=ENV, stdout=subprocess.PIPE,
+        self.popen = subprocess.Popen(args, cwd=cwd, env=ENV if env is None else env, stdout=subprocess.PIPE,
                                       stderr=subprocess.PIPE, text=True)
         self.out: list[str] = []
         self.err: list[str] = []

@@ -20,25 +20,30 @@ class Sim:
 
     Terms: ``obs`` (post_step: state float32[W,3], flag bool, nest/x int64[W,2]), ``final``
     (pre_reset: reward float32) and ``init`` (post_reset: q float32[n,2]). Variations:
-    ``mass`` (build, per world) and ``friction`` (runtime, drawn at each reset).
+    ``mass`` (build, per world) and ``friction`` (runtime, drawn at each reset). ``terms`` and
+    ``variations`` choose a subset (a smaller store for slow backends).
     """
 
     def __init__(self, broker: Broker, num_worlds: int = 6, *, run: str = "run-a", seed: int = 0,
-                 reset_p: float = 0.08, width: int = 3) -> None:
+                 reset_p: float = 0.08, width: int = 3, terms: tuple[str, ...] = ("obs", "final", "init"),
+                 variations: tuple[str, ...] = ("mass", "friction")) -> None:
         self.broker, self.num_worlds = broker, num_worlds
         self.rec = Recorder(num_worlds, broker=broker, run=run)
         self.gen = torch.Generator().manual_seed(seed)
         self.rng = np.random.default_rng(seed)
         self.reset_p, self.width = reset_p, width
+        self.variations = variations
         self.expected: dict[tuple[int, int], dict[str, list[np.ndarray]]] = defaultdict(
             lambda: defaultdict(list))
         self.outcome: dict[tuple[int, int], bool] = {}
-        self.rec.add_term("obs", FunctionTerm(post_step=self._obs))
-        self.rec.add_term("final", FunctionTerm(pre_reset=self._final))
-        self.rec.add_term("init", FunctionTerm(post_reset=self._init))
+        hooks = {"obs": FunctionTerm(post_step=self._obs), "final": FunctionTerm(pre_reset=self._final),
+                 "init": FunctionTerm(post_reset=self._init)}
+        for term in terms:
+            self.rec.add_term(term, hooks[term])
         self.episode = np.zeros(num_worlds, np.int64)
         self.rec.start()
-        self._vary("mass", "build", torch.arange(num_worlds))
+        if "mass" in variations:
+            self._vary("mass", "build", torch.arange(num_worlds))
 
     def _keep(self, worlds: torch.Tensor, fields: dict[str, torch.Tensor]) -> None:
         for i, w in enumerate(worlds.tolist()):
@@ -82,7 +87,8 @@ class Sim:
                 self.rec.record_pre_reset(idx, success=success, truncated=~success)
                 self.episode[done] += 1
                 self.rec.record_post_reset(idx)
-                self._vary("friction", "runtime", idx)
+                if "friction" in self.variations:
+                    self._vary("friction", "runtime", idx)
 
     def close(self) -> None:
         self.rec.close()

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import zarr
 from storage_sim import Sim, assert_episode_equal
 
 from broker import Batch, EpisodeEnd, Message, VariationSample
 from storage import RunStore
+from storage._format import StoreLocation, local_path, open_store
 
 
 class Spans:
@@ -29,9 +28,9 @@ class Spans:
                     self.first[(w, e + 1)] = msg.seq
 
 
-def check_store(path: Path, sim: Sim, spans: Spans, run: str, what: str) -> int:
-    """The store's promise for ``run``; returns the number of stored episodes."""
-    reader = RunStore(path)
+def check_store(location: StoreLocation, sim: Sim, spans: Spans, run: str, what: str) -> int:
+    """The store's promise for ``run`` (any backend); returns the number of stored episodes."""
+    reader = RunStore(location)
     assert reader.damaged() == {}, what
     info = reader.info(run)
     assert info["status"] == "complete", what
@@ -47,10 +46,11 @@ def check_store(path: Path, sim: Sim, spans: Spans, run: str, what: str) -> int:
         assert any(g["source"] in (1, 2, 3) and a < g["received"] and b >= g["expected"] for g in gaps), \
             f"{what}: episode {key} (seq {a}..{b}) is missing but lies in no recorded gap {gaps}"
     # nothing partial is visible, even to plain zarr: arrays are cut to their committed rows
-    root = zarr.open_group(path, mode="r")
+    root = zarr.open_group(open_store(location, read_only=True), mode="r")
     committed = info["committed"]
     assert root[f"runs/{run}/episodes/world"].shape[0] == committed["episodes"], what
     for term, rows in committed["rows"].items():
         assert root[f"runs/{run}/data/{term}/_step"].shape[0] == rows, (what, term)
-    assert not list(path.rglob("*.partial")), what
+    path = local_path(location)
+    assert path is None or not list(path.rglob("*.partial")), what
     return len(keys)

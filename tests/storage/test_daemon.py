@@ -85,7 +85,7 @@ def test_cli_round_trip_and_info_through_entry_point(spawn: object, tmp_path: Pa
     assert "argument --io-threads: expected a positive integer, got '0'" in threads.stderr
 
 
-@pytest.mark.parametrize("seed", [1, 2])
+@pytest.mark.parametrize("seed", [1])  # tests/storage/test_conformance.py kills on every backend too
 def test_kill_9_then_resume(spawn: object, tmp_path: Path, seed: int) -> None:
     rng = random.Random(seed)
     steps, steps2 = 600, 100

@@ -564,7 +564,7 @@ def test_thousands_of_one_message_runs_stay_bounded_in_files_and_memory(tmp_path
     daemon = StoreDaemon(store, commit_interval=0, max_runs=8, memory_budget=1 << 20)
     tracemalloc.start()
     try:
-        for i in range(3000):
+        for i in range(1500):
             daemon.handle(dataclasses.replace(batch, run=f"stray-{i}", seq=7))
             assert len(daemon.runs) <= 8
             if i == 200:
@@ -575,7 +575,7 @@ def test_thousands_of_one_message_runs_stay_bounded_in_files_and_memory(tmp_path
         grown = tracemalloc.get_traced_memory()[0] - base
     finally:
         tracemalloc.stop()
-    assert grown < 8 << 20, f"{grown} bytes more after 2,800 more runs"
+    assert grown < 4 << 20, f"{grown} bytes more after 1,300 more runs"  # the defect: ~320 KiB a run
     sim, clean = record("clean", steps=10)
     feed(daemon, clean)  # the daemon still serves
     daemon.close()

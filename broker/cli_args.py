@@ -1,0 +1,73 @@
+"""argparse types shared by worldtap's command lines (``worldtap-store``, ``worldtap-proxy``):
+each raises ``argparse.ArgumentTypeError`` with a message naming what was wrong, which argparse
+turns into one usage line and exit code 2."""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import re
+from collections.abc import Callable
+
+__all__ = ["check_endpoint", "parse_size", "positive_int", "seconds"]
+
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6,
+          "mib": 2**20, "g": 10**9, "gb": 10**9, "gib": 2**30}
+
+
+def parse_size(text: str) -> int:
+    """``"64MiB"`` -> 67108864. Accepts B, k/KB, KiB, M/MB, MiB, G/GB, GiB (case-insensitive)."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", text)
+    if match is None or match.group(2).lower() not in _UNITS:
+        raise argparse.ArgumentTypeError(f"expected a size such as 512MiB or 1GiB, got {text!r}")
+    value = int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive size, got {text!r}")
+    return value
+
+
+def seconds(*, zero: bool) -> Callable[[str], float]:
+    """An argparse type: a finite number of seconds, ``>= 0`` with ``zero`` else ``> 0``."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
+        if not math.isfinite(value) or value < 0 or (value == 0 and not zero):
+            raise argparse.ArgumentTypeError(
+                f"expected a finite number of seconds {'>= 0' if zero else '> 0'}, got {text!r}")
+        return value
+    return parse
+
+
+def positive_int(text: str) -> int:
+    """An argparse type: an integer >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def check_endpoint(text: str) -> str:
+    """A ZeroMQ endpoint a worldtap command can bind or connect: ``tcp://HOST:PORT`` (port 1-65535, or ``*`` to
+    bind any) or ``ipc://PATH`` whose folder exists."""
+    scheme, sep, rest = text.partition("://")
+    if not sep or scheme not in ("tcp", "ipc"):
+        raise argparse.ArgumentTypeError(f"expected tcp://HOST:PORT or ipc://PATH, got {text!r}")
+    if scheme == "ipc":
+        folder = os.path.dirname(rest) or "."
+        if not rest or not os.path.isdir(folder):
+            raise argparse.ArgumentTypeError(f"{text!r}: the folder {folder!r} of the ipc socket does "
+                                             f"not exist")
+        return text
+    host, colon, port = rest.rpartition(":")
+    if not colon or not host:
+        raise argparse.ArgumentTypeError(f"expected tcp://HOST:PORT, got {text!r}")
+    if port != "*" and not (port.isdigit() and 1 <= int(port) <= 65535):
+        raise argparse.ArgumentTypeError(f"{text!r}: the port must be 1-65535 or *, got {port!r}")
+    return text

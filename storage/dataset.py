@@ -1,0 +1,341 @@
+"""PyTorch datasets over a run store, built on the bulk reads of :class:`storage.RunStore`.
+
+- :class:`EpisodeDataset`: map-style, one item per episode (its rows, whole).
+- :class:`WindowDataset`: map-style, one item per fixed-length window of rows inside an
+  episode (windows never cross episodes; padding rules in its docstring).
+- :class:`IterableEpisodeDataset`: every episode once, sharded across DataLoader workers and
+  distributed ranks, optionally shuffled with a seed.
+
+Each takes a store (a :class:`storage.RunStore`, a local directory, an fsspec URL or a zarr
+store), a ``run`` (``None``: every run), a ``where`` expression (:meth:`RunStore.query`) and
+``fields`` (``"<term>/<field>"`` names or term names; ``None``: every field). Its ``table`` is
+the selected episodes (:meth:`RunStore.query`'s columns, variation values included); an item's
+``"episode"`` is its row in ``table``. Items are dicts of tensors keyed like
+:meth:`RunStore.episode` (bfloat16 fields as float32). Batches of several items are read at
+once (``__getitems__``), each chunk once; every process (DataLoader worker) opens the store
+again, so no zarr object is shared across a fork. Episodes differ in length: give
+:class:`torch.utils.data.DataLoader` ``batch_size=None`` or a ``collate_fn`` that pads (or
+keeps a list), or use :class:`WindowDataset`. With worker processes, batch the items: the
+tensors of one batch's key share one piece of memory and cross to the main process together,
+while items sent one by one (``batch_size=None``) cost a shared-memory transfer per tensor.
+
+``import storage`` does not import this module (it needs torch.utils.data).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator, Sequence
+from typing import Any, Literal
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset, IterableDataset, get_worker_info
+
+from ._format import StoreLocation
+from .reader import RunStore, Table, _ranges
+
+__all__ = ["EpisodeDataset", "IterableEpisodeDataset", "WindowDataset"]
+
+Item = dict[str, torch.Tensor]
+
+
+class _Source:
+    """The episodes a dataset reads and the store it reads them from, opened once per
+    process.
+
+    Raises:
+        QueryError: A bad ``where``.
+        ValueError, TypeError: A bad ``fields`` (the message names the field).
+        StorageError: The store cannot be opened or its tables are damaged.
+    """
+
+    def __init__(self, store: RunStore | StoreLocation, run: str | None, where: str | None,
+                 fields: Sequence[str] | None, cache_bytes: int) -> None:
+        if not isinstance(cache_bytes, int) or isinstance(cache_bytes, bool) or cache_bytes < 0:
+            raise ValueError(f"cache_bytes: expected an integer >= 0, got {cache_bytes!r}")
+        reader = store if isinstance(store, RunStore) else RunStore(store, cache_bytes=cache_bytes)
+        self.location, self.cache_bytes = reader.location, cache_bytes
+        self.table = reader.query(where, run)
+        self.rows = np.zeros(len(self.table), np.int64)
+        self.terms: dict[str, dict[str, list[str]]] = {}
+        names = self.table["run"]
+        for r in dict.fromkeys(names.tolist()):
+            mine = names == r
+            self.rows[mine] = reader._locate(r, self.table["world"][mine], self.table["index"][mine])
+            self.terms[r] = reader._fields(r, fields)
+        self._reader: RunStore | None = reader
+        self._pid = os.getpid()
+
+    def reader(self) -> RunStore:
+        """This process's store (opened again after a fork or in a spawned worker)."""
+        if self._reader is None or self._pid != os.getpid():
+            self._reader, self._pid = RunStore(self.location, cache_bytes=self.cache_bytes), os.getpid()
+        return self._reader
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state["_reader"] = None
+        return state
+
+    def read(self, positions: np.ndarray, start: np.ndarray | None = None,
+             stop: np.ndarray | None = None) -> list[Item]:
+        """The episodes at ``positions`` of :attr:`table` (rows ``[start, stop)`` of each when
+        given), in that order, one bulk read per run, each with its ``"episode"``. The tensors
+        of one key are views of one tensor, so a DataLoader worker sends a batch to the main
+        process as one piece of shared memory per key, not one per episode."""
+        reader = self.reader()
+        episode = torch.from_numpy(np.array(positions, dtype=np.int64))
+        out: list[Item] = [{"episode": episode[i]} for i in range(len(positions))]
+        names = self.table["run"][positions]
+        for r in dict.fromkeys(names.tolist()):
+            at = np.flatnonzero(names == r)
+            data, offsets = reader._gather(r, self.rows[positions[at]], self.terms[r],
+                                           None if start is None else start[at],
+                                           None if stop is None else stop[at])
+            whole = {n: torch.from_numpy(v) for n, v in data.items()}
+            for k, i in enumerate(at.tolist()):
+                out[i].update({n: v[int(offsets[n][k]):int(offsets[n][k + 1])] for n, v in whole.items()})
+        return out
+
+
+def _positions(indices: Sequence[int], n: int) -> np.ndarray:
+    """``indices`` as rows of a dataset of ``n`` items (negative ones from the end).
+
+    Raises:
+        IndexError: An index out of range.
+    """
+    out = np.asarray(indices, dtype=np.int64).reshape(-1)
+    bad = (out < -n) | (out >= n)
+    if bad.any():
+        raise IndexError(f"index {int(out[bad][0])} is out of range for a dataset of {n} items")
+    return np.where(out < 0, out + n, out)
+
+
+class EpisodeDataset(Dataset[Item]):
+    """One item per selected episode: its fields (``"<term>/<field>"`` -> tensor of its rows)
+    and ``"episode"`` (its row in :attr:`table`).
+
+    Args:
+        store: A :class:`storage.RunStore`, a local directory, an fsspec URL or a zarr store.
+        run: One run, or ``None`` for every run.
+        where: Keep the episodes where this expression holds (:meth:`RunStore.query`).
+        fields: ``"<term>/<field>"`` names or term names; ``None`` for every field.
+        cache_bytes: Decoded chunks each process keeps (:class:`storage.RunStore`); random
+            access decodes a chunk again once it has left this cache, so reads are fastest
+            when it holds the data read (a ``RunStore`` passed as ``store`` keeps its own in
+            this process).
+
+    Raises:
+        QueryError: A bad ``where``.
+        ValueError, TypeError: A bad ``fields`` (the message names the field), or
+            ``cache_bytes``.
+        StorageError: The store cannot be opened or its tables are damaged.
+    """
+
+    def __init__(self, store: RunStore | StoreLocation, run: str | None = None, where: str | None = None,
+                 fields: Sequence[str] | None = None, *, cache_bytes: int = 256 << 20) -> None:
+        self.source = _Source(store, run, where, fields, cache_bytes)
+
+    @property
+    def table(self) -> Table:
+        """The selected episodes, item ``i`` being row ``i``."""
+        return self.source.table
+
+    def __len__(self) -> int:
+        return len(self.source.table)
+
+    def __getitem__(self, index: int) -> Item:
+        return self.__getitems__([index])[0]
+
+    def __getitems__(self, indices: Sequence[int]) -> list[Item]:
+        """Several items, read in one bulk read (DataLoader calls this for each batch)."""
+        positions = _positions(indices, len(self))
+        return self.source.read(positions)
+
+
+class WindowDataset(Dataset[Item]):
+    """One item per window of ``window`` consecutive rows inside a selected episode.
+
+    Windows never cross episodes. In each episode of ``n`` rows they start at rows ``0,
+    stride, 2 * stride, ...``; every window that fits whole is an item. With ``pad="zeros"``
+    (the default) or ``pad="edge"``, the first start whose window runs past the episode's end
+    (if that start is still inside the episode) gives one more item, padded to ``window`` rows
+    with zeros or with copies of the episode's last row; so with ``stride <= window`` every
+    row is in some window, and an episode shorter than ``window`` gives one padded window.
+    With ``pad="drop"`` only whole windows are items (shorter episodes give none). Each item
+    holds the fields (``window`` rows each), ``"mask"`` (bool, ``window`` values: true on the
+    episode's rows, false on padding), ``"episode"`` (the row in :attr:`table`) and
+    ``"start"`` (the window's first row in the episode).
+
+    The fields must be of one term, or of terms with as many rows in every episode (two
+    ``post_step`` terms, say): windows count rows.
+
+    Args:
+        store, run, where, fields, cache_bytes: As :class:`EpisodeDataset` takes them.
+        window: Rows per window (>= 1).
+        stride: Rows between the starts of consecutive windows (>= 1; default ``window``).
+        pad: ``"zeros"``, ``"edge"`` or ``"drop"``.
+
+    Raises:
+        ValueError: A bad ``window``, ``stride`` or ``pad``, or fields of terms whose row
+            counts differ (the message names the terms and an episode).
+        QueryError, TypeError, StorageError: As :class:`EpisodeDataset`.
+    """
+
+    def __init__(self, store: RunStore | StoreLocation, run: str | None = None, where: str | None = None,
+                 fields: Sequence[str] | None = None, *, window: int, stride: int | None = None,
+                 pad: Literal["zeros", "edge", "drop"] = "zeros", cache_bytes: int = 256 << 20) -> None:
+        stride = window if stride is None else stride
+        for name, value in (("window", window), ("stride", stride)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name}: expected an integer >= 1, got {value!r}")
+        if pad not in ("zeros", "edge", "drop"):
+            raise ValueError(f"pad: expected 'zeros', 'edge' or 'drop', got {pad!r}")
+        self.window, self.stride, self.pad = window, stride, pad
+        self.source = source = _Source(store, run, where, fields, cache_bytes)
+        reader = source.reader()
+        self.lengths = np.zeros(len(source.table), np.int64)
+        names = source.table["run"]
+        for r, terms in source.terms.items():
+            mine = np.flatnonzero(names == r)
+            counts = reader._term_rows(r, source.rows[mine])
+            first, *others = terms
+            for term in others:
+                differ = np.flatnonzero(counts[term] != counts[first])
+                if len(differ):
+                    i = int(mine[differ[0]])
+                    raise ValueError(
+                        f"fields: windows count rows, but episode (world {int(source.table['world'][i])}, "
+                        f"index {int(source.table['index'][i])}) of run {r!r} has "
+                        f"{int(counts[first][differ[0]])} rows of term {first!r} and "
+                        f"{int(counts[term][differ[0]])} of term {term!r}; pass fields of one term")
+            self.lengths[mine] = counts[first]
+        whole = np.where(self.lengths >= window, (self.lengths - window) // stride + 1, 0)
+        windows = whole + ((pad != "drop") & (whole * stride < self.lengths))
+        self.episode_of = np.repeat(np.arange(len(source.table)), windows)
+        self.start = _ranges(np.zeros(len(windows), np.int64), windows) * stride
+
+    @property
+    def table(self) -> Table:
+        """The selected episodes (``"episode"`` of an item is its row here)."""
+        return self.source.table
+
+    def __len__(self) -> int:
+        return len(self.episode_of)
+
+    def __getitem__(self, index: int) -> Item:
+        return self.__getitems__([index])[0]
+
+    def __getitems__(self, indices: Sequence[int]) -> list[Item]:
+        """Several windows, read in one bulk read (DataLoader calls this for each batch)."""
+        at = _positions(indices, len(self))
+        episodes, starts = self.episode_of[at], self.start[at]
+        start = torch.from_numpy(starts)
+        mask = torch.from_numpy(np.arange(self.window) < (self.lengths[episodes] - starts)[:, None])
+        items = self.source.read(episodes, starts, starts + self.window)
+        for i, item in enumerate(items):
+            item.update({name: self._padded(value) for name, value in item.items() if name != "episode"})
+            item.update(start=start[i], mask=mask[i])
+        return items
+
+    def _padded(self, rows: torch.Tensor) -> torch.Tensor:
+        missing = self.window - len(rows)
+        if not missing:
+            return rows
+        tail = rows[-1:].expand(missing, *rows.shape[1:]) if self.pad == "edge" else \
+            rows.new_zeros((missing, *rows.shape[1:]))
+        return torch.cat([rows, tail])
+
+
+class IterableEpisodeDataset(IterableDataset[Item]):
+    """Every selected episode exactly once across all shards, items as
+    :class:`EpisodeDataset` gives them.
+
+    The episodes (rows of :attr:`table`) are cut into blocks of ``block`` consecutive ones;
+    block ``j`` (of the block order) goes to shard ``j % (world_size * workers)``, the shard of
+    DataLoader worker ``w`` of rank ``r`` being ``r * workers + w``. A shard reads its
+    episodes a block at a time (one bulk read each). With ``shuffle``, the block order and the
+    order inside each block are permuted, from ``seed`` and the epoch (:meth:`set_epoch`), the
+    same on every rank and worker: a block shuffle, which keeps reads chunk-friendly
+    (``block=1`` shuffles fully). Shards differ in size by less than two blocks.
+
+    Args:
+        store, run, where, fields, cache_bytes: As :class:`EpisodeDataset` takes them.
+        shuffle: Permute blocks and episodes (default: table order).
+        seed: Seed of the permutation (an integer >= 0).
+        block: Episodes per block (>= 1).
+        rank, world_size: This process's distributed rank and the number of ranks; by default
+            those of ``torch.distributed`` when it is initialised, else 0 and 1.
+
+    Raises:
+        ValueError: A bad ``seed``, ``block``, ``rank`` or ``world_size``.
+        QueryError, TypeError, StorageError: As :class:`EpisodeDataset`.
+    """
+
+    def __init__(self, store: RunStore | StoreLocation, run: str | None = None, where: str | None = None,
+                 fields: Sequence[str] | None = None, *, shuffle: bool = False, seed: int = 0,
+                 block: int = 64, rank: int | None = None, world_size: int | None = None,
+                 cache_bytes: int = 256 << 20) -> None:
+        for name, value, low in (("seed", seed, 0), ("block", block, 1)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < low:
+                raise ValueError(f"{name}: expected an integer >= {low}, got {value!r}")
+        if (rank is None) != (world_size is None):
+            raise ValueError(f"rank and world_size go together, got rank={rank!r} world_size={world_size!r}")
+        if world_size is not None:
+            _check_rank(rank, world_size)
+        self.shuffle, self.seed, self.block = bool(shuffle), seed, block
+        self.rank, self.world_size = rank, world_size
+        self.epoch = 0
+        self.source = _Source(store, run, where, fields, cache_bytes)
+
+    @property
+    def table(self) -> Table:
+        """The selected episodes (``"episode"`` of an item is its row here)."""
+        return self.source.table
+
+    def set_epoch(self, epoch: int) -> None:
+        """Use the permutation of epoch ``epoch`` from now on (with ``shuffle``)."""
+        self.epoch = int(epoch)
+
+    def shard(self, rank: int = 0, world_size: int = 1, worker: int = 0, workers: int = 1) -> np.ndarray:
+        """The rows of :attr:`table` that worker ``worker`` of ``workers`` on rank ``rank`` of
+        ``world_size`` yields, in order.
+
+        Raises:
+            ValueError: A rank or worker out of range.
+        """
+        _check_rank(rank, world_size)
+        if not (0 <= worker < workers):
+            raise ValueError(f"worker: expected 0 <= worker < workers ({workers}), got {worker}")
+        n = len(self.source.table)
+        blocks = np.arange(-(-n // self.block))
+        if self.shuffle:
+            blocks = np.random.default_rng([self.seed, self.epoch]).permutation(blocks)
+        parts = []
+        for b in blocks[rank * workers + worker::world_size * workers].tolist():
+            rows = np.arange(b * self.block, min(n, (b + 1) * self.block))
+            if self.shuffle:
+                rows = np.random.default_rng([self.seed, self.epoch, b]).permutation(rows)
+            parts.append(rows)
+        return np.concatenate(parts) if parts else np.zeros(0, np.int64)
+
+    def __iter__(self) -> Iterator[Item]:
+        info = get_worker_info()
+        worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
+        rank, world_size = self.rank, self.world_size
+        if rank is None or world_size is None:
+            dist = torch.distributed
+            ready = dist.is_available() and dist.is_initialized()
+            rank, world_size = (dist.get_rank(), dist.get_world_size()) if ready else (0, 1)
+        positions = self.shard(rank, world_size, worker, workers)
+        for a in range(0, len(positions), self.block):
+            part = positions[a:a + self.block]
+            yield from self.source.read(part)
+
+
+def _check_rank(rank: Any, world_size: Any) -> None:
+    if not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size: expected an integer >= 1, got {world_size!r}")
+    if not isinstance(rank, int) or not (0 <= rank < world_size):
+        raise ValueError(f"rank: expected 0 <= rank < world_size ({world_size}), got {rank!r}")

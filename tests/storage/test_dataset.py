@@ -1,0 +1,269 @@
+"""PyTorch datasets over a run store (``storage.dataset``): every item byte for byte as published,
+the window padding rules, every episode exactly once across DataLoader workers and distributed
+ranks, DataLoader worker processes (each opens the store again) on a local directory, an fsspec
+store and a memory store."""
+
+from __future__ import annotations
+
+import pickle
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+import zarr
+from read_store import expected, two_runs, write
+from storage_sim import Sim, assert_episode_equal
+from torch.utils.data import DataLoader
+
+from broker import Broker
+from storage import QueryError, RunStore, StoreDaemon
+from storage.dataset import EpisodeDataset, IterableEpisodeDataset, WindowDataset
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@dataclass(frozen=True)
+class Built:
+    path: Path
+    sims: dict[str, Sim]
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory: pytest.TempPathFactory) -> Built:
+    path = tmp_path_factory.mktemp("dataset") / "runs.zarr"
+    return Built(path, two_runs(path))
+
+
+def key_of(table: Any, p: int) -> tuple[str, int, int]:
+    return str(table["run"][p]), int(table["world"][p]), int(table["index"][p])
+
+
+def check_episode(item: dict[str, torch.Tensor], sims: dict[str, Sim], table: Any, fields: Any = None) -> None:
+    """``item`` is the episode its ``"episode"`` names, as published (fields only)."""
+    run, world, index = key_of(table, int(item["episode"]))
+    want = {n: v for n, v in expected(sims[run], (world, index)).items()
+            if fields is None or n in fields or n.split("/")[0] in fields}
+    got = {n: v.numpy() for n, v in item.items() if n != "episode"}
+    assert_episode_equal(got, want)
+    if fields is not None:
+        assert set(got) <= {n for n in got if n in fields or n.split("/")[0] in fields}
+
+
+def test_episode_dataset_items_are_the_published_episodes(built: Built) -> None:
+    """Bugs caught: an item of the wrong episode, a batch (``__getitems__``) read in the wrong
+    order, a run's rows given to another run."""
+    ds = EpisodeDataset(built.path)  # every run
+    assert len(ds) == sum(len(s.outcome) for s in built.sims.values())
+    for i in range(len(ds)):
+        item = ds[i]
+        assert int(item["episode"]) == i
+        check_episode(item, built.sims, ds.table)
+    picks = [5, -1, 0, 5, len(ds) // 2]
+    for p, item in zip(picks, ds.__getitems__(picks), strict=True):
+        assert int(item["episode"]) == p % len(ds)
+        check_episode(item, built.sims, ds.table)
+    with pytest.raises(IndexError, match=f"index {len(ds)} is out of range"):
+        ds[len(ds)]
+
+
+def test_where_and_fields_select(built: Built) -> None:
+    ds = EpisodeDataset(built.path, "run-a", where="not success and world in [0, 1]", fields=["obs/h", "final"])
+    table = RunStore(built.path).query("not success and world in [0, 1]", "run-a")
+    np.testing.assert_array_equal(ds.table["index"], table["index"])
+    assert len(ds) > 2
+    for item in ds.__getitems__(list(range(len(ds)))):
+        assert set(item) == {"episode", "obs/h", "final/reward"}
+        assert item["obs/h"].dtype == torch.float32
+        check_episode(item, built.sims, ds.table, fields=["obs/h", "final"])
+    with pytest.raises(ValueError, match="fields: run 'run-a' has no field or term 'obs/nope'"):
+        EpisodeDataset(built.path, "run-a", fields=["obs/nope"])
+    with pytest.raises(QueryError, match="unknown column 'mas'"):
+        EpisodeDataset(built.path, where="mas > 1")
+    with pytest.raises(ValueError, match="cache_bytes: expected an integer >= 0"):
+        EpisodeDataset(built.path, cache_bytes=-1)
+
+
+def windows_by_hand(length: int, window: int, stride: int, pad: str) -> list[int]:
+    """Window starts, from the rule: every whole window; with padding, also the first start
+    whose window runs past the end, when it is inside the episode."""
+    starts, s = [], 0
+    while s < length:
+        if s + window <= length:
+            starts.append(s)
+        else:
+            if pad != "drop":
+                starts.append(s)
+            break
+        s += stride
+    return starts
+
+
+@pytest.mark.parametrize(("window", "stride", "pad"), [
+    (4, 4, "zeros"), (4, 3, "edge"), (5, 2, "drop"), (3, 7, "zeros"), (1, 1, "drop"), (64, 64, "edge")])
+def test_window_dataset_follows_its_padding_rules(built: Built, window: int, stride: int, pad: str) -> None:
+    """Every window is the episode's rows ``[start, start + window)``, never crossing into the
+    next episode; the last one padded with zeros or the last row, or dropped; ``mask`` true on
+    real rows. Bugs caught: windows crossing episodes, off-by-one window counts, padding from
+    the wrong row, a mask that covers padding."""
+    ds = WindowDataset(built.path, "run-b", fields=["obs"], window=window, stride=stride, pad=pad)  # type: ignore[arg-type]
+    sim = built.sims["run-b"]
+    items = ds.__getitems__(list(range(len(ds))))
+    got: dict[int, list[dict[str, torch.Tensor]]] = {}
+    for item in items:
+        got.setdefault(int(item["episode"]), []).append(item)
+    total = 0
+    for p in range(len(ds.table)):
+        _, world, index = key_of(ds.table, p)
+        want = {n: v for n, v in expected(sim, (world, index)).items() if n.startswith("obs/")}
+        length = len(want["obs/state"])
+        starts = windows_by_hand(length, window, stride, pad)
+        mine = got.get(p, [])
+        assert [int(i["start"]) for i in mine] == starts, (p, length)
+        total += len(starts)
+        for item, start in zip(mine, starts, strict=True):
+            real = min(window, length - start)
+            assert item["mask"].tolist() == [True] * real + [False] * (window - real)
+            assert set(item) == {"episode", "start", "mask", *want}
+            for name, rows in want.items():
+                value = item[name].numpy()
+                assert value.shape == (window, *rows.shape[1:])
+                assert value.dtype == rows.dtype
+                assert value[:real].tobytes() == rows[start:start + real].tobytes()
+                fill = rows[-1:] if pad == "edge" else np.zeros_like(rows[:1])
+                assert value[real:].tobytes() == np.repeat(fill, window - real, axis=0).tobytes()
+    assert len(ds) == total > 0
+    if pad != "drop" and stride <= window:  # every row is in some window
+        covered = sum(int(i["mask"].sum()) for i in items)
+        assert covered >= int(ds.table["length"].sum())
+
+
+def test_windows_batch_with_the_default_collate(built: Built) -> None:
+    ds = WindowDataset(built.path, "run-a", fields=["obs/state", "obs/flag"], window=6, stride=3)
+    batches = list(DataLoader(ds, batch_size=8, shuffle=True, generator=torch.Generator().manual_seed(0)))
+    assert sum(len(b["start"]) for b in batches) == len(ds)
+    first = batches[0]
+    assert first["obs/state"].shape == (8, 6, 3)
+    assert first["mask"].shape == (8, 6)
+    seen = sorted((int(e), int(s)) for b in batches for e, s in zip(b["episode"], b["start"], strict=True))
+    assert seen == sorted(zip(ds.episode_of.tolist(), ds.start.tolist(), strict=True))
+
+
+def test_windows_need_fields_of_terms_with_equal_rows(built: Built, tmp_path: Path) -> None:
+    """Fields of terms whose row counts differ (``obs`` per step, ``final`` per episode) are
+    refused naming both terms; two ``post_step`` terms window together."""
+    with pytest.raises(ValueError, match=r"rows of term 'obs' and \d+ of term 'final'; pass fields of one term"):
+        WindowDataset(built.path, "run-a", window=4)
+    with pytest.raises(ValueError, match="window: expected an integer >= 1"):
+        WindowDataset(built.path, "run-a", fields=["obs"], window=0)
+    with pytest.raises(ValueError, match="stride: expected an integer >= 1"):
+        WindowDataset(built.path, "run-a", fields=["obs"], window=2, stride=0)
+    with pytest.raises(ValueError, match="pad: expected 'zeros', 'edge' or 'drop'"):
+        WindowDataset(built.path, "run-a", fields=["obs"], window=2, pad="wrap")  # type: ignore[arg-type]
+    from capture.recorder import Recorder
+    from capture.terms import FunctionTerm
+
+    store = tmp_path / "two.zarr"
+    daemon = StoreDaemon(store, commit_interval=0.0)
+    broker = Broker()
+    broker.subscribe("", daemon)
+    rec = Recorder(2, broker=broker, run="two")
+    rec.add_term("a", FunctionTerm(post_step=lambda: {"x": torch.full((2,), float(rec.step)) + torch.arange(2)}))
+    rec.add_term("b", FunctionTerm(post_step=lambda: {"y": -torch.full((2,), float(rec.step)) - torch.arange(2)}))
+    rec.start()
+    for step in range(23):
+        rec.record_post_step()
+        if step % 7 == 6:
+            rec.record_pre_reset(torch.tensor([0, 1]), success=torch.tensor([True, False]),
+                                 truncated=torch.tensor([False, True]))
+            rec.record_post_reset(torch.tensor([0, 1]))
+    rec.close()
+    daemon.close()
+    ds = WindowDataset(store, "two", window=3, stride=3, pad="drop")
+    assert len(ds) == 2 * 3 * 2  # 3 closed episodes of 7 steps per world, 2 windows each
+    for item in ds.__getitems__(list(range(len(ds)))):
+        np.testing.assert_array_equal(item["a/x"].numpy(), -item["b/y"].numpy())
+        x = item["a/x"].numpy()
+        np.testing.assert_array_equal(np.diff(x), [1.0, 1.0])  # consecutive steps of one world
+
+
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_shards_cover_every_episode_exactly_once(built: Built, shuffle: bool) -> None:
+    """Over every (rank, worker) of world sizes 1-3 and 1-3 workers, per epoch. Bugs caught: a
+    shard formula that skips or repeats blocks, ranks shuffling with different permutations."""
+    ds = IterableEpisodeDataset(built.path, shuffle=shuffle, seed=3, block=5)
+    n = len(ds.table)
+    orders = []
+    for epoch in (0, 1):
+        ds.set_epoch(epoch)
+        for world_size in (1, 2, 3):
+            for workers in (1, 2, 3):
+                parts = [ds.shard(r, world_size, w, workers) for r in range(world_size) for w in range(workers)]
+                joined = np.concatenate(parts)
+                assert sorted(joined.tolist()) == list(range(n)), (epoch, world_size, workers)
+                assert max(len(p) for p in parts) - min(len(p) for p in parts) < 2 * ds.block
+        orders.append(ds.shard().tolist())
+    if shuffle:
+        assert orders[0] != orders[1] != list(range(n))
+        again = IterableEpisodeDataset(built.path, shuffle=True, seed=3, block=5)
+        assert again.shard().tolist() == orders[0]  # the same seed and epoch: the same order
+    else:
+        assert orders[0] == orders[1] == list(range(n))
+    with pytest.raises(ValueError, match="rank: expected 0 <= rank < world_size"):
+        ds.shard(2, 2)
+    with pytest.raises(ValueError, match="rank and world_size go together"):
+        IterableEpisodeDataset(built.path, rank=0)
+
+
+def test_dataloader_workers_and_ranks_read_every_episode_once(built: Built) -> None:
+    """Two ranks (given explicitly) of two DataLoader worker processes each: together they
+    yield every episode exactly once, each byte for byte as published. Bug caught: workers
+    that ignore ``get_worker_info`` (every worker yields the whole shard) or that share the
+    parent's zarr objects in a broken way after the fork."""
+    seen: list[int] = []
+    for rank in (0, 1):
+        ds = IterableEpisodeDataset(built.path, shuffle=True, seed=1, block=4, rank=rank, world_size=2)
+        for item in DataLoader(ds, batch_size=None, num_workers=2):
+            seen.append(int(item["episode"]))
+            check_episode(item, built.sims, ds.table)
+    assert sorted(seen) == list(range(len(ds.table)))
+
+
+def test_the_rank_defaults_from_torch_distributed(built: Built, tmp_path: Path) -> None:
+    import torch.distributed as dist
+
+    ds = IterableEpisodeDataset(built.path, "run-b", block=3)
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    try:
+        assert [int(i["episode"]) for i in ds] == list(range(len(ds.table)))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("kind", ["fsspec", "memory"])
+def test_map_style_batches_in_worker_processes(built: Built, kind: str) -> None:
+    """``__getitems__`` in two DataLoader workers on an fsspec store (zarr's asynchronous
+    path) and on a zarr MemoryStore (copied into each worker by the fork)."""
+    if kind == "memory":
+        location: Any = zarr.storage.MemoryStore()
+        sims = write(location, ("m", 2, 40))
+    else:
+        location, sims = zarr.storage.FsspecStore.from_url(f"file://{built.path}", read_only=True), built.sims
+    ds = EpisodeDataset(location)
+    seen = []
+    for batch in DataLoader(ds, batch_size=4, num_workers=2, collate_fn=list):
+        for item in batch:
+            seen.append(int(item["episode"]))
+            check_episode(item, sims, ds.table)
+    assert sorted(seen) == list(range(len(ds)))
+
+
+def test_a_pickled_dataset_opens_the_store_again(built: Built) -> None:
+    """What a spawned worker gets: no open store, which it opens on first use."""
+    ds = EpisodeDataset(built.path, "run-a", fields=["obs"])
+    copy = pickle.loads(pickle.dumps(ds))
+    assert copy.source._reader is None
+    for i in (0, len(copy) - 1):
+        check_episode(copy[i], built.sims, copy.table, fields=["obs"])
