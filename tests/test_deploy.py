@@ -1,6 +1,7 @@
 """The deploy files work as written: the systemd unit passes ``systemd-analyze verify`` and its
 command line is one the daemon accepts; the sysusers file creates the user the unit runs as;
-compose's commands are ones the daemon and the proxy accept."""
+the image's and compose's commands are ones worldtap-store, worldtap-proxy and
+worldtap-sensitivity accept, on a named volume."""
 
 from __future__ import annotations
 
@@ -58,8 +59,48 @@ def test_the_units_command_is_one_the_daemon_accepts() -> None:
         "serve", "/var/lib/worldtap/runs.zarr", ["tcp://127.0.0.1:5555"], True)
 
 
-def test_compose_parses_and_its_daemon_command_is_accepted() -> None:
+def dockerfile_entry() -> tuple[list[str], list[str]]:
+    """The image's ENTRYPOINT and CMD (JSON form)."""
+    import json
+
+    lines = (DEPLOY / "Dockerfile").read_text().splitlines()
+    found = {line.split(None, 1)[0]: json.loads(line.split(None, 1)[1]) for line in lines
+             if line.startswith(("ENTRYPOINT ", "CMD "))}
+    return found["ENTRYPOINT"], found["CMD"]
+
+
+def parse(program: str, argv: list[str]) -> object:
+    """``argv`` parsed by ``program``'s own parser (argparse exits 2 on anything it refuses)."""
+    from broker.proxy import build_parser as proxy_parser
+    from consumers.sensitivity.cli import _parser as sensitivity_parser
+
+    parsers = {"worldtap-store": build_main_parser, "worldtap-proxy": proxy_parser,
+               "worldtap-sensitivity": sensitivity_parser}
+    return parsers[program]().parse_args(argv)
+
+
+def test_the_images_default_command_is_accepted() -> None:
+    entrypoint, cmd = dockerfile_entry()
+    assert entrypoint == ["worldtap-store"]
+    assert build_main_parser().parse_args(["serve", *cmd]).store == "/data/runs.zarr"
+
+
+def test_compose_wires_proxy_daemon_and_live_tool_on_a_named_volume() -> None:
+    """Every service runs a command its program accepts; the daemon and the live tool connect
+    to the proxy's backend; the store lives on a named volume, not a bind mount."""
     compose = yaml.safe_load((DEPLOY / "compose.yaml").read_text())
-    store = compose["services"]["store"]
-    args = build_main_parser().parse_args(["serve", *store["command"]])
-    assert args.command == "serve"
+    services = compose["services"]
+    assert set(services) == {"proxy", "store", "sensitivity"}
+    default_entrypoint, _ = dockerfile_entry()
+    for name, service in services.items():
+        program = service.get("entrypoint", default_entrypoint)[0]
+        parse(program, list(service["command"]))
+        for volume in service.get("volumes", []):
+            source = volume.split(":", 1)[0]
+            assert source in compose["volumes"], f"{name}: {volume!r} is not a named volume"
+    proxy = parse("worldtap-proxy", services["proxy"]["command"])
+    backend_port = proxy.backend[0].rsplit(":", 1)[1]  # type: ignore[attr-defined]
+    store = parse("worldtap-store", services["store"]["command"])
+    assert store.connect == [f"tcp://proxy:{backend_port}"]  # type: ignore[attr-defined]
+    live = parse("worldtap-sensitivity", services["sensitivity"]["command"])
+    assert live.connect == [f"tcp://proxy:{backend_port}"]  # type: ignore[attr-defined]
