@@ -1,6 +1,6 @@
-"""Pipeline benchmark: publisher process -> storage daemon process -> Zarr store on local disk.
+"""Pipeline benchmark: publisher process -> storage daemon process -> Zarr store (local disk or S3).
 
-``python -m benchmarks.pipeline [--json] [--seconds 30] [--worlds 4096]``
+``python -m benchmarks.pipeline [--json] [--seconds 30] [--worlds 4096] [--store local|s3]``
 
 Measured in one run: the raw pyzmq ceiling (payload frames between two processes, nothing
 decoded), the raw zarr-python ceiling (``Array.append`` of 64 MB blocks of the payload to every
@@ -18,6 +18,27 @@ zarr-python); peak RSS <= the memory budget + 300 MB.
 process that the daemon connects to (publishers -> proxy -> daemon); end-to-end GB/s counts
 every publisher's bytes, and every run is checked byte for byte against what its publisher
 published. Without it, one publisher that binds and a daemon that connects to it.
+
+Write amplification (local store): ``field_bytes_received`` are the raw bytes of field data
+the daemon received (every published step), ``field_bytes`` those of the rows it stored (the
+complete episodes; episodes still open at the end are dropped); ``bytes_written`` are the
+bytes the daemon process handed to the filesystem (``wchar`` of ``/proc/<pid>/io``: chunk
+files, metadata, the lock; a rewrite counted each time); ``store_bytes`` is the encoded size of
+the final store (its files). ``amplification`` = ``bytes_written / field_bytes`` (against the
+raw data stored: budget <= 1.2 in ``all`` mode) and ``amplification_vs_store`` =
+``bytes_written / store_bytes`` (1.0: every byte of the final store written once, nothing
+rewritten). Use runs long enough for most episodes to end (``--episode-length``).
+
+``--writer-paths``: the storage-only ceilings to measure beside raw zarr-python's append:
+``writer`` (the daemon's columns on its chunk threads), ``public`` (the same columns through
+zarr's public ``Array.__setitem__``), ``zarrs`` (that path with the ``zarrs`` Rust codec
+pipeline, ``pip install zarrs``), ``sharded`` (that path on sharded arrays, shards of 16
+chunks). ``--daemon-writer public|zarrs`` runs the daemon itself on zarr's public path, or
+on it with the zarrs pipeline (default: the daemon's own choice, its chunk threads here).
+
+``--store s3``: the same pipeline into an S3 API on loopback (moto in server mode, started
+here; needs ``moto[server]`` and s3fs), with the same byte-for-byte check of every row read
+back from S3; the amplification is not measured there (the bytes go out on a socket).
 """
 
 from __future__ import annotations
@@ -168,15 +189,25 @@ def _zmq_ceiling(worlds: int, seconds: float) -> float:
         ctx.term()
 
 
+WRITER_PATHS = {"writer", "public", "zarrs", "sharded"}
+"""The storage-only ceilings ``--writer-paths`` may name."""
+
+ZARRS = "zarrs.ZarrsCodecPipeline"
+"""zarr's ``codec_pipeline.path`` that selects the zarrs Rust pipeline."""
+
+
 def _zarr_ceiling(worlds: int, seconds: float, root: Path, args: Any, *, path: str = "append") -> float:
     """Append 64 MB blocks of the payload to every field's array for ``seconds``; GB/s.
 
     ``path="append"``: raw zarr-python, ``AsyncArray.append`` of each field concurrently.
     ``path="writer"``: the daemon's own writer (:func:`storage._columns.write_columns`), the
-    storage path alone with no transport or assembly in front of it."""
+    storage path alone with no transport or assembly in front of it. ``"public"``,
+    ``"zarrs"``, ``"sharded"``: the same writer through zarr's public API, with the zarrs codec
+    pipeline, on arrays of 16-chunk shards."""
     import zarr
     from zarr.core.sync import sync
 
+    from storage import _zarr_io
     from storage._columns import Column, write_columns
     from storage._format import APPEND_CONFIG, CHUNK_KEYS, codecs
 
@@ -193,26 +224,34 @@ def _zarr_ceiling(worlds: int, seconds: float, root: Path, args: Any, *, path: s
     block = {k: np.concatenate([v[i % POOL] for i in range(-(-piece_rows // worlds))])[:piece_rows]
              for k, v in pool.items()}
     folder = Path(tempfile.mkdtemp(dir=root))
+    pipeline = {"codec_pipeline.path": ZARRS} if path == "zarrs" else {}
     try:
         group = zarr.open_group(zarr.storage.LocalStore(folder), mode="w")
         arrays = {}
-        for name, value in block.items():
-            row = max(1, value.dtype.itemsize * int(np.prod(value.shape[1:])))
-            arrays[name] = group.create_array(name, shape=(0, *value.shape[1:]), dtype=value.dtype,
-                                              chunks=(max(1, args.chunk_size // row),
-                                                      *value.shape[1:]),
-                                              compressors=codecs(args.compression),
-                                              chunk_key_encoding=CHUNK_KEYS,
-                                              ).with_config(APPEND_CONFIG)  # as the daemon's
+        with zarr.config.set(pipeline):  # arrays keep the pipeline they were made with
+            for name, value in block.items():
+                row = max(1, value.dtype.itemsize * int(np.prod(value.shape[1:])))
+                chunk = max(1, args.chunk_size // row)
+                arrays[name] = group.create_array(name, shape=(0, *value.shape[1:]), dtype=value.dtype,
+                                                  chunks=(chunk, *value.shape[1:]),
+                                                  shards=(16 * chunk, *value.shape[1:]) if path == "sharded"
+                                                  else None,
+                                                  compressors=codecs(args.compression),
+                                                  chunk_key_encoding=CHUNK_KEYS,
+                                                  ).with_config(APPEND_CONFIG)  # as the daemon's
         pairs = [(arrays[name], value) for name, value in block.items()]
-        columns = [(Column(array, 0), value) for array, value in pairs] if path == "writer" else []
+        _zarr_io.sync_path(path == "writer")
+        try:
+            columns = [(Column(array, 0), value) for array, value in pairs] if path != "append" else []
+        finally:
+            _zarr_io.sync_path(True)
         nbytes = sum(v.nbytes for v in block.values())
         total, t0 = 0, time.monotonic()
         while time.monotonic() - t0 < seconds:  # every field at once, as concurrent as it gets
             if path == "append":
                 append_all(pairs)
             else:
-                write_columns(columns)
+                write_columns(columns, flush=False)
             total += nbytes
         return total / (time.monotonic() - t0) / 1e9
     finally:
@@ -220,6 +259,80 @@ def _zarr_ceiling(worlds: int, seconds: float, root: Path, args: Any, *, path: s
 
 
 # -- the pipeline -------------------------------------------------------------------------
+
+def _daemon(args: Any) -> int:
+    """The storage daemon (``worldtap-store`` with ``--daemon-args``, on ``--daemon-writer``'s
+    path), then the bytes this process handed to the filesystem (``wchar`` of
+    ``/proc/self/io``) into ``--ends``."""
+    import zarr
+
+    from storage import _zarr_io
+    from storage.cli import main as store_main
+
+    _zarr_io.sync_path(args.daemon_writer == "default")
+    if args.daemon_writer == "zarrs":
+        zarr.config.set({"codec_pipeline.path": ZARRS})
+    try:
+        return store_main(json.loads(args.daemon_args))
+    finally:
+        io = dict(line.split(": ") for line in Path("/proc/self/io").read_text().splitlines())
+        Path(args.ends).write_text(json.dumps({"wchar": int(io["wchar"])}))
+
+
+def _daemon_command(args: Any, store: str, endpoint: str, runs: int, io_file: Path) -> list[str]:
+    daemon_args = [store, "--connect", endpoint, "--exit-after-runs", str(runs),
+                   "--memory-budget", str(args.memory_budget), "--compression", args.compression,
+                   "--chunk-size", str(args.chunk_size), "--status-interval", "5", "--log-level", "WARNING"]
+    return [sys.executable, "-m", "benchmarks.pipeline", "--role", "daemon", "--ends", str(io_file),
+            "--daemon-writer", args.daemon_writer, "--daemon-args", json.dumps(daemon_args)]
+
+
+def _env(args: Any) -> dict[str, str]:
+    """The child processes' environment: this checkout on the path."""
+    return {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+
+
+def _store_bytes(store: str) -> int:
+    """Encoded bytes of every object of ``store`` (a directory or an S3 URL)."""
+    if store.startswith("s3://"):
+        import s3fs  # type: ignore[import-untyped]
+
+        return int(s3fs.S3FileSystem().du(store))
+    return sum(p.stat().st_size for p in Path(store).rglob("*") if p.is_file())
+
+
+def _s3_endpoint(root: Path) -> Any:
+    """A moto S3 server on loopback, with this process's (and its children's) AWS settings
+    pointed at it and a bucket made; returns the server (``stop()`` it)."""
+    import logging
+
+    from moto.server import ThreadedMotoServer
+
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    nowhere = str(root / "no-aws-config")
+    os.environ.update({"AWS_ENDPOINT_URL": f"http://{host}:{port}", "AWS_ACCESS_KEY_ID": "testing",
+                       "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1",
+                       "AWS_CONFIG_FILE": nowhere, "AWS_SHARED_CREDENTIALS_FILE": nowhere})
+    import s3fs  # type: ignore[import-untyped]
+
+    s3fs.S3FileSystem().mkdir("worldtap-bench")
+    return server
+
+
+def _written(io_file: Path, store: str, received: int, rows: int, worlds: int) -> dict[str, Any]:
+    """The write-amplification figures (see the module docstring) of a store whose runs hold
+    ``rows`` rows; ``None`` where not measured."""
+    pool = _pool(worlds)
+    field_bytes = rows * sum(int(v[0, 0].nbytes) for v in pool.values())
+    stored = _store_bytes(store)
+    written = json.loads(io_file.read_text())["wchar"] if not store.startswith("s3://") else None
+    return {"field_bytes_received": received, "field_bytes": field_bytes, "store_bytes": stored,
+            "bytes_written": written,
+            "amplification": None if written is None or not field_bytes else written / field_bytes,
+            "amplification_vs_store": None if written is None else written / stored}
 
 def _vm_hwm(pid: int) -> int:
     try:
@@ -231,9 +344,9 @@ def _vm_hwm(pid: int) -> int:
     return 0
 
 
-def _pipeline(args: Any, root: Path) -> dict[str, Any]:
-    store, ends = root / "bench.zarr", root / "ends.npy"
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+def _pipeline(args: Any, root: Path, store: str) -> dict[str, Any]:
+    ends, io_file = root / "ends.npy", root / "io.json"
+    env = _env(args)
     pub = subprocess.Popen([sys.executable, "-m", "benchmarks.pipeline", "--role", "publisher",
                             "--worlds", str(args.worlds), "--seconds", str(args.seconds),
                             "--episode-length", str(args.episode_length), "--ends", str(ends),
@@ -243,12 +356,8 @@ def _pipeline(args: Any, root: Path) -> dict[str, Any]:
     try:
         assert pub.stdout is not None
         endpoint = pub.stdout.readline().strip()
-        daemon = subprocess.Popen(
-            [sys.executable, "-m", "storage", str(store), "--connect", endpoint,
-             "--exit-after-runs", "1", "--memory-budget", str(args.memory_budget),
-             "--compression", args.compression, "--chunk-size", str(args.chunk_size),
-             "--status-interval", "5", "--log-level", "WARNING"],
-            stderr=subprocess.PIPE, text=True, env=env)
+        daemon = subprocess.Popen(_daemon_command(args, store, endpoint, 1, io_file),
+                                  stderr=subprocess.PIPE, text=True, env=env)
         peak = 0
         while daemon.poll() is None:
             peak = max(peak, _vm_hwm(daemon.pid))
@@ -270,13 +379,14 @@ def _pipeline(args: Any, root: Path) -> dict[str, Any]:
     return {"steps": summary["steps"], "bytes": summary["bytes"], "e2e_seconds": seconds,
             "publish_seconds": summary["t_published"] - summary["t0"],
             "gb_per_s": summary["bytes"] / seconds / 1e9, "steps_per_s": summary["steps"] / seconds,
-            "daemon_peak_rss_bytes": peak, "daemon_log_tail": daemon_log[-500:], **check}
+            "daemon_peak_rss_bytes": peak, "daemon_log_tail": daemon_log[-500:], **check,
+            **_written(io_file, store, summary["bytes"], check["rows_checked"], args.worlds)}
 
 
-def _proxied(args: Any, root: Path) -> dict[str, Any]:
+def _proxied(args: Any, root: Path, store: str) -> dict[str, Any]:
     """``--publishers N`` publisher processes -> worldtap-proxy process -> daemon process."""
-    store = root / "bench.zarr"
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    io_file = root / "io.json"
+    env = _env(args)
     sides = ["tcp://127.0.0.1:*" if args.transport == "tcp" else f"ipc://{root}/{side}.ipc"
              for side in ("front", "back")]
     procs: list[subprocess.Popen[str]] = []
@@ -291,12 +401,8 @@ def _proxied(args: Any, root: Path) -> dict[str, Any]:
             proxy.kill()
             raise RuntimeError(f"the proxy did not start: {ready}{proxy.stderr.read()[-2000:]}")
         front, back = (part.split("=", 1)[1] for part in ready.split()[-2:])
-        daemon = subprocess.Popen(
-            [sys.executable, "-m", "storage", str(store), "--connect", back,
-             "--exit-after-runs", str(args.publishers), "--memory-budget", str(args.memory_budget),
-             "--compression", args.compression, "--chunk-size", str(args.chunk_size),
-             "--status-interval", "5", "--log-level", "WARNING"],
-            stderr=subprocess.PIPE, text=True, env=env)
+        daemon = subprocess.Popen(_daemon_command(args, store, back, args.publishers, io_file),
+                                  stderr=subprocess.PIPE, text=True, env=env)
         procs.append(daemon)
         runs = {f"{RUN}-{k}": root / f"ends-{k}.npy" for k in range(args.publishers)}
         pubs = [subprocess.Popen([sys.executable, "-m", "benchmarks.pipeline", "--role", "publisher",
@@ -341,15 +447,18 @@ def _proxied(args: Any, root: Path) -> dict[str, Any]:
             "byte_equal": all(c["byte_equal"] for c in checks.values()), "runs_complete": complete,
             "episodes_published": sum(c["episodes_published"] for c in checks.values()),
             "episodes_stored": sum(c["episodes_stored"] for c in checks.values()),
-            "rows_checked": sum(c["rows_checked"] for c in checks.values()), "runs": checks}
+            "rows_checked": sum(c["rows_checked"] for c in checks.values()), "runs": checks,
+            **_written(io_file, store, total, sum(c["rows_checked"] for c in checks.values()),
+                       args.worlds)}
 
 
-def _verify(store: Path, ends: np.ndarray, worlds: int, run: str = RUN) -> dict[str, Any]:
+def _verify(store: str, ends: np.ndarray, worlds: int, run: str = RUN) -> dict[str, Any]:
     """Read every stored row of ``run`` back and compare it with the published payload, byte
     for byte."""
     import zarr
 
     from storage import RunStore
+    from storage._format import open_store
 
     reader = RunStore(store)
     eps = reader.episodes(run)
@@ -363,7 +472,7 @@ def _verify(store: Path, ends: np.ndarray, worlds: int, run: str = RUN) -> dict[
     if not len(eps):  # no episode ended (a short run): nothing stored to read back
         return {"byte_equal": bool(ok), "episodes_published": len(ends), "episodes_stored": 0,
                 "rows_checked": 0}
-    root = zarr.open_group(store, mode="r")
+    root = zarr.open_group(open_store(store, read_only=True), mode="r")
     base = f"runs/{run}"
     meta = reader.info(run)["committed"]
     n_seg, n_ep = meta["segments"], meta["episodes"]
@@ -435,17 +544,34 @@ def main() -> None:
                              "publisher, no proxy)")
     parser.add_argument("--connect", default=None, help=argparse_hidden())
     parser.add_argument("--run", default=RUN, help=argparse_hidden())
+    parser.add_argument("--daemon-args", default=None, help=argparse_hidden())
+    parser.add_argument("--store", default="local", choices=("local", "s3"),
+                        help="where the daemon writes: a local directory, or S3 on loopback (moto)")
+    parser.add_argument("--writer-paths", default="writer",
+                        help="comma-separated storage-only ceilings beside zarr's append: writer, "
+                             "public, zarrs, sharded (see above)")
+    parser.add_argument("--daemon-writer", default="default", choices=("default", "public", "zarrs"),
+                        help="the daemon's chunk path: its own choice, zarr's public API, or that "
+                             "with the zarrs codec pipeline (pip install zarrs)")
     args = parser.parse_args()
     if args.publishers is not None and args.publishers < 1:
         parser.error(f"--publishers: expected a positive integer, got {args.publishers}")
+    paths = args.writer_paths.split(",")
+    if not set(paths) <= WRITER_PATHS or "writer" not in paths:
+        parser.error(f"--writer-paths: expected 'writer' and any of {sorted(WRITER_PATHS)}, got "
+                     f"{args.writer_paths!r}")
     if args.role == "publisher":
         return _publisher(args)
     if args.role == "zmq-sender":
         return _zmq_sender(args)
+    if args.role == "daemon":
+        sys.exit(_daemon(args))
     root = Path(tempfile.mkdtemp(prefix="worldtap-pipeline-", dir=args.dir))
+    server = _s3_endpoint(root) if args.store == "s3" else None
+    store = "s3://worldtap-bench/bench.zarr" if server is not None else str(root / "bench.zarr")
     try:
         ceiling_s = max(0.3, min(5.0, args.seconds / 6))
-        samples: dict[str, list[float]] = {"zmq": [], "zarr": [], "writer": []}
+        samples: dict[str, list[float]] = {"zmq": [], "zarr": [], **{p: [] for p in paths}}
         rng = random.Random(args.seed)
 
         def ceilings(trials: int) -> None:
@@ -456,19 +582,22 @@ def main() -> None:
                     samples[name].append(
                         _zmq_ceiling(args.worlds, ceiling_s) if name == "zmq" else
                         _zarr_ceiling(args.worlds, ceiling_s, root, args,
-                                      path="append" if name == "zarr" else "writer"))
+                                      path="append" if name == "zarr" else name))
 
         # Half the ceiling trials before the pipeline and half after: a shared machine's
         # speed drifts, and the ratio should compare like with like.
         ceilings(-(-args.trials // 2))
-        result = _pipeline(args, root) if args.publishers is None else _proxied(args, root)
+        result = _pipeline(args, root, store) if args.publishers is None else _proxied(args, root, store)
         ceilings(args.trials // 2)
     finally:
+        if server is not None:
+            server.stop()
         shutil.rmtree(root, ignore_errors=True)
     ceilings = {name: stats(v) for name, v in samples.items()}
     slower = min(ceilings["zmq"]["median"], ceilings["zarr"]["median"])
     budget_rss = args.memory_budget + 300 * 10**6
-    case = {"worlds": args.worlds, "seconds": args.seconds, **result,
+    case = {"worlds": args.worlds, "seconds": args.seconds, "store": args.store,
+            "daemon_writer": args.daemon_writer, **result,
             "ceiling_gb_per_s": ceilings, "slower_ceiling_gb_per_s": slower,
             "fraction_of_slower_ceiling": result["gb_per_s"] / slower,
             "fraction_of_writer_ceiling": result["gb_per_s"] / ceilings["writer"]["median"],
@@ -479,13 +608,18 @@ def main() -> None:
         print_json({"benchmark": "pipeline", "machine": machine(), "versions": versions(),
                     "cases": [case]})
         return
-    headers = ["worlds", "steps/s", "e2e GB/s", "zmq GB/s", "zarr GB/s", "fraction",
-               "writer GB/s", "of writer", "peak RSS MB", "byte-equal"]
-    row = [args.worlds, result["steps_per_s"], result["gb_per_s"],
+    others = [p for p in paths if p != "writer"]
+    headers = ["store", "daemon writer", "worlds", "steps/s", "e2e GB/s", "zmq GB/s", "zarr GB/s", "fraction",
+               "writer GB/s", "of writer", *(f"{p} GB/s" for p in others), "stored field GB", "written GB",
+               "store GB", "amplif.", "vs store", "peak RSS MB", "byte-equal"]
+    row = [args.store, args.daemon_writer, args.worlds, result["steps_per_s"], result["gb_per_s"],
            ceilings["zmq"]["median"], ceilings["zarr"]["median"],
            case["fraction_of_slower_ceiling"], ceilings["writer"]["median"],
-           case["fraction_of_writer_ceiling"], result["daemon_peak_rss_bytes"] / 1e6,
-           result["byte_equal"]]
+           case["fraction_of_writer_ceiling"], *(ceilings[p]["median"] for p in others),
+           result["field_bytes"] / 1e9, "-" if result["bytes_written"] is None else result["bytes_written"] / 1e9,
+           result["store_bytes"] / 1e9, "-" if result["amplification"] is None else result["amplification"],
+           "-" if result["amplification_vs_store"] is None else result["amplification_vs_store"],
+           result["daemon_peak_rss_bytes"] / 1e6, result["byte_equal"]]
     if args.publishers is not None:
         headers, row = ["publishers", *headers, "complete"], [args.publishers, *row, result["runs_complete"]]
     print(table(headers, [row]))

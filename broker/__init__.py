@@ -22,6 +22,8 @@ from .messages import (
     EpisodeEnd,
     FieldSpec,
     Message,
+    MessageOf,
+    NumpyMessage,
     Phase,
     RunEnd,
     RunStart,
@@ -29,7 +31,7 @@ from .messages import (
     batch_topic,
     variation_topic,
 )
-from .schema import TopicSchema
+from .schema import BFloat16Bits, TopicSchema
 from .security import CurveClient, CurveServer, KeyPair, load_keypair, load_public_keys, write_keypair
 from .wire import PROTOCOL_VERSION, decode, encode
 from .zmq_publisher import DEFAULT_ENDPOINT, Policy, PublisherStatistics, ZmqPublisher
@@ -43,6 +45,7 @@ __all__ = [
     "TOPIC_EPISODE_END",
     "TOPIC_RUN_END",
     "TOPIC_RUN_START",
+    "BFloat16Bits",
     "Batch",
     "Broker",
     "BrokerClosedError",
@@ -57,6 +60,8 @@ __all__ = [
     "Gap",
     "KeyPair",
     "Message",
+    "MessageOf",
+    "NumpyMessage",
     "Phase",
     "Policy",
     "PublisherStatistics",

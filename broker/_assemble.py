@@ -2,32 +2,87 @@
 checked message.
 
 Private to :mod:`broker.wire`. Every value read from a header is type-checked before it is used
-(hashed, compared, multiplied, handed to torch), and every check raises
+(hashed, compared, multiplied, handed to torch or numpy), and every check raises
 :class:`WireFormatError` with a stable reason, so a malformed message can never surface as a
-``TypeError`` or ``OverflowError`` inside a receiver.
+``TypeError`` or ``OverflowError`` inside a receiver. Messages are assembled from torch tensors or
+numpy arrays alike; nothing here imports torch before a torch dtype is asked for.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 from types import MappingProxyType
-from typing import Any, Final, cast, get_args
+from typing import TYPE_CHECKING, Any, Final, TypeVar, cast, get_args
 
-import torch
+import numpy as np
 
 from .errors import WireFormatError
-from .messages import Batch, EpisodeEnd, FieldSpec, Hook, Message, Phase, RunEnd, RunStart, VariationSample
+from .messages import A, Batch, EpisodeEnd, FieldSpec, Hook, MessageOf, Phase, RunEnd, RunStart, VariationSample
+from .schema import Array, dtype_name
 
-__all__ = ["DTYPES", "MAX_BYTES", "MAX_DIMS", "assemble", "check_declaration", "fail",
-           "is_count", "shape_error", "shown"]
+if TYPE_CHECKING:
+    import torch
 
-DTYPES: Final[Mapping[str, torch.dtype]] = MappingProxyType({
-    "bool": torch.bool, "uint8": torch.uint8, "int8": torch.int8, "int16": torch.int16,
-    "int32": torch.int32, "int64": torch.int64, "float16": torch.float16,
-    "bfloat16": torch.bfloat16, "float32": torch.float32, "float64": torch.float64,
+__all__ = ["DTYPES", "MAX_BYTES", "MAX_DIMS", "NUMPY_DTYPES", "LazyMapping", "assemble",
+           "check_declaration", "fail", "is_count", "shape_error", "shown"]
+
+K = TypeVar("K")
+V = TypeVar("V")
+
+
+class LazyMapping(Mapping[K, V]):
+    """A read-only mapping that ``make`` builds on its first lookup (torch dtypes, so that torch
+    is imported only when one is needed).
+
+    Args:
+        make: Builds the mapping.
+        keys: Its keys, when known up front: membership, iteration and length then never build it.
+    """
+
+    def __init__(self, make: Callable[[], Mapping[K, V]], keys: Collection[K] | None = None) -> None:
+        self._make = make
+        self._keys = keys
+        self._built: Mapping[K, V] | None = None
+
+    def _mapping(self) -> Mapping[K, V]:
+        if self._built is None:
+            self._built = MappingProxyType(dict(self._make()))
+        return self._built
+
+    def __getitem__(self, key: K) -> V:
+        return self._mapping()[key]
+
+    def __contains__(self, key: object) -> bool:
+        return key in (self._keys if self._keys is not None else self._mapping())
+
+    def __iter__(self) -> Iterator[K]:
+        return iter(self._keys if self._keys is not None else self._mapping())
+
+    def __len__(self) -> int:
+        return len(self._keys if self._keys is not None else self._mapping())
+
+    def __repr__(self) -> str:
+        return f"LazyMapping({dict(self._mapping())!r})"
+
+
+NUMPY_DTYPES: Final[Mapping[str, np.dtype[Any]]] = MappingProxyType({
+    name: np.dtype("uint16" if name == "bfloat16" else name)
+    for name in ("bool", "uint8", "int8", "int16", "int32", "int64", "float16", "bfloat16", "float32",
+                 "float64")
 })
-"""The dtype whitelist: wire name -> torch dtype."""
+"""The dtype whitelist: wire name -> the numpy dtype of its arrays (bfloat16, which numpy lacks:
+its 16 bits, as ``uint16``)."""
+
+
+def _torch_dtypes() -> dict[str, torch.dtype]:
+    import torch
+
+    return {name: getattr(torch, name) for name in NUMPY_DTYPES}
+
+
+DTYPES: Final[Mapping[str, torch.dtype]] = LazyMapping(_torch_dtypes, NUMPY_DTYPES)
+"""The dtype whitelist: wire name -> torch dtype (looking a dtype up imports torch)."""
 MAX_DIMS: Final = 32
 """Most dimensions a shape may have (numpy's historical limit)."""
 MAX_BYTES: Final = 1 << 62
@@ -65,7 +120,7 @@ def shape_error(shape: object, dtype: str, limit: int) -> str | None:
     non-empty tensor could carry, so every product of its dimensions stays below ``limit``."""
     if type(shape) is not list or len(shape) > MAX_DIMS:
         return f"invalid shape {shown(shape)}: expected a list of at most {MAX_DIMS} ints >= 0"
-    size = DTYPES[dtype].itemsize
+    size = NUMPY_DTYPES[dtype].itemsize
     for d in shape:
         if type(d) is not int or d < 0:  # type(), not isinstance(): True is not a dimension
             return f"invalid shape {shown(shape)}: expected a list of at most {MAX_DIMS} ints >= 0"
@@ -74,10 +129,6 @@ def shape_error(shape: object, dtype: str, limit: int) -> str | None:
             return (f"shape {shown(shape)} of {dtype} spans more than max_message_size={limit} bytes "
                     f"(each 0 counted as 1)")
     return None
-
-
-def _name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
 def _check_metadata(topic: str, value: Any, depth: int = 0) -> None:
@@ -95,22 +146,23 @@ def _check_metadata(topic: str, value: Any, depth: int = 0) -> None:
                              f"{type(value).__name__} is not part of the protocol")
 
 
-def _vector(topic: str, name: str, t: torch.Tensor, dtype: torch.dtype, n: int | None) -> None:
-    if t.dtype != dtype or t.dim() != 1 or (n is not None and t.shape[0] != n):
+def _vector(topic: str, name: str, t: Array, dtype: str, n: int | None) -> None:
+    if t.ndim != 1 or dtype_name(t) != dtype or (n is not None and t.shape[0] != n):
         want = f"({n},)" if n is not None else "(n,)"
-        raise fail("schema", f"topic {topic!r} tensor {name!r}: expected {_name(dtype)} of shape "
-                              f"{want}, got {_name(t.dtype)} of shape {tuple(t.shape)}")
+        raise fail("schema", f"topic {topic!r} tensor {name!r}: expected {dtype} of shape "
+                              f"{want}, got {dtype_name(t)} of shape {tuple(t.shape)}")
 
 
-def _leading(topic: str, name: str, t: torch.Tensor, n: int) -> None:
-    if t.dim() == 0 or t.shape[0] != n:
+def _leading(topic: str, name: str, t: Array, n: int) -> None:
+    if t.ndim == 0 or t.shape[0] != n:
         raise fail("schema", f"topic {topic!r} tensor {name!r}: expected a leading worlds dimension "
                               f"of {n}, got shape {tuple(t.shape)}")
 
 
-def assemble(topic: str, kind: str, head: dict[str, Any], own: dict[str, torch.Tensor],
-             fields: dict[str, torch.Tensor], limit: int) -> Message:
-    """The message of ``kind`` from its checked header and tensors, after checking how they fit.
+def assemble(topic: str, kind: str, head: dict[str, Any], own: dict[str, A], fields: dict[str, A],
+             limit: int) -> MessageOf[A]:
+    """The message of ``kind`` from its checked header and tensors (torch tensors or numpy arrays,
+    all of one kind), after checking how they fit.
 
     ``limit`` bounds the bytes of each run schema field's per-world shape (see
     :func:`shape_error`).
@@ -119,9 +171,9 @@ def assemble(topic: str, kind: str, head: dict[str, Any], own: dict[str, torch.T
     if kind in ("run_start", "run_end"):
         return _build_run(topic, kind, head, limit)
     worlds = own["worlds"]
-    _vector(topic, "worlds", worlds, torch.int64, None)
-    n = worlds.shape[0]
-    _vector(topic, "episodes", own["episodes"], torch.int64, n)
+    _vector(topic, "worlds", worlds, "int64", None)
+    n = int(worlds.shape[0])
+    _vector(topic, "episodes", own["episodes"], "int64", n)
     if kind == "batch":
         hook = head.get("hook")
         if not isinstance(hook, str) or hook not in _HOOKS:
@@ -131,10 +183,10 @@ def assemble(topic: str, kind: str, head: dict[str, Any], own: dict[str, torch.T
         return Batch(run, seq, step, topic, worlds, own["episodes"], fields, cast(Hook, hook))
     if kind == "episode_end":
         for name in ("success", "terminated", "truncated"):
-            _vector(topic, name, own[name], torch.bool, n)
-        _vector(topic, "length", own["length"], torch.int64, n)
+            _vector(topic, name, own[name], "bool", n)
+        _vector(topic, "length", own["length"], "int64", n)
         for name, t in fields.items():
-            if not name or t.dim() != 1 or t.shape[0] != n:
+            if not name or t.ndim != 1 or t.shape[0] != n:
                 raise fail("schema", f"topic {topic!r} outcome {shown(name)}: expected a non-empty name "
                                      f"and a tensor of shape ({n},), got shape {tuple(t.shape)}")
         return EpisodeEnd(run, seq, step, worlds, own["episodes"], own["success"], own["terminated"],
@@ -153,7 +205,7 @@ def assemble(topic: str, kind: str, head: dict[str, Any], own: dict[str, torch.T
                            None if labels is None else tuple(labels), topic)
 
 
-def _build_run(topic: str, kind: str, head: dict[str, Any], limit: int) -> Message:
+def _build_run(topic: str, kind: str, head: dict[str, Any], limit: int) -> RunStart | RunEnd:
     num_worlds: Any = head.get("num_worlds")
     device, metadata = head.get("device"), head.get("metadata")
     if not is_count(num_worlds) or not isinstance(device, str):

@@ -9,11 +9,20 @@ import math
 import os
 import re
 from collections.abc import Callable
+from typing import NoReturn
 
-__all__ = ["check_endpoint", "parse_size", "positive_int", "seconds"]
+__all__ = ["OneLineParser", "check_endpoint", "parse_size", "positive_int", "seconds"]
 
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6,
           "mib": 2**20, "g": 10**9, "gb": 10**9, "gib": 2**30}
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """An ``ArgumentParser`` whose usage errors are one line on stderr (``PROG: error: ...``,
+    pointing at ``--help``) and exit code 2; its subparsers are the same."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
 def parse_size(text: str) -> int:

@@ -4,17 +4,31 @@ Every message carries the publishing run's id (``run``), the publisher's sequenc
 (``seq``) and the global simulation step (``step``). Tensors inside a message are *borrowed*:
 they belong to the publisher and are valid only for the duration of the delivery call. A
 consumer that keeps anything must copy it.
+
+The tensor-carrying messages are generic in their array type: ``Batch`` (``Batch[torch.Tensor]``)
+holds torch tensors, as everything in process does; ``Batch[np.ndarray]`` holds numpy arrays, as
+the wire decoder builds them with ``arrays="numpy"`` (bfloat16 as :class:`broker.BFloat16Bits`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Final, Literal, TypeAlias
+from typing import TYPE_CHECKING, Any, Final, Generic, Literal, TypeAlias
 
-import torch
+import numpy as np
 
 from .schema import FieldSpec
+
+if TYPE_CHECKING:
+    import torch
+    from typing_extensions import TypeVar
+
+    A = TypeVar("A", bound=torch.Tensor | np.ndarray, default=torch.Tensor)
+else:
+    from typing import TypeVar
+
+    A = TypeVar("A")
 
 __all__ = [
     "BUILD",
@@ -23,6 +37,8 @@ __all__ = [
     "EpisodeEnd",
     "FieldSpec",
     "Message",
+    "MessageOf",
+    "NumpyMessage",
     "Phase",
     "RESERVED_OUTCOMES",
     "RunEnd",
@@ -68,7 +84,7 @@ def variation_topic(key: str) -> str:
 
 
 @dataclass(frozen=True, slots=True, eq=False)
-class Batch:
+class Batch(Generic[A]):
     """One batch of fields for a set of worlds, published on ``batch/<term>``.
 
     Attributes:
@@ -83,9 +99,9 @@ class Batch:
     seq: int
     step: int
     topic: str
-    worlds: torch.Tensor
-    episodes: torch.Tensor
-    fields: Mapping[str, torch.Tensor]
+    worlds: A
+    episodes: A
+    fields: Mapping[str, A]
     hook: Hook = "post_step"
 
     @property
@@ -94,7 +110,7 @@ class Batch:
 
 
 @dataclass(frozen=True, slots=True, eq=False)
-class EpisodeEnd:
+class EpisodeEnd(Generic[A]):
     """The end of the current episode of ``worlds`` (published on ``episode/end``).
 
     Attributes:
@@ -110,18 +126,18 @@ class EpisodeEnd:
     run: str
     seq: int
     step: int
-    worlds: torch.Tensor
-    episodes: torch.Tensor
-    success: torch.Tensor
-    terminated: torch.Tensor
-    truncated: torch.Tensor
-    length: torch.Tensor
-    outcomes: Mapping[str, torch.Tensor] = field(default_factory=dict, kw_only=True)
+    worlds: A
+    episodes: A
+    success: A
+    terminated: A
+    truncated: A
+    length: A
+    outcomes: Mapping[str, A] = field(default_factory=dict, kw_only=True)
     topic: str = TOPIC_EPISODE_END
 
 
 @dataclass(frozen=True, slots=True, eq=False)
-class VariationSample:
+class VariationSample(Generic[A]):
     """One draw of a domain-randomization variation (published on ``variation/<key>``).
 
     Attributes:
@@ -141,9 +157,9 @@ class VariationSample:
     step: int
     key: str
     phase: Phase
-    worlds: torch.Tensor
-    episodes: torch.Tensor
-    value: torch.Tensor
+    worlds: A
+    episodes: A
+    value: A
     labels: tuple[Label, ...] | None = None
     topic: str = ""
 
@@ -207,3 +223,8 @@ class RunEnd:
 
 
 Message: TypeAlias = Batch | EpisodeEnd | VariationSample | RunStart | RunEnd
+"""A message whose tensors are torch tensors (what the in-process broker carries)."""
+MessageOf: TypeAlias = Batch[A] | EpisodeEnd[A] | VariationSample[A] | RunStart | RunEnd
+"""A message whose tensors are of array type ``A`` (``MessageOf[np.ndarray]``)."""
+NumpyMessage: TypeAlias = MessageOf[np.ndarray]
+"""A message whose tensors are numpy arrays (``broker.wire.decode(..., arrays="numpy")``)."""

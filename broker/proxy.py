@@ -30,12 +30,16 @@ Usage::
                    [--heartbeat SECONDS] [--status-interval SECONDS]
 
 prints ``worldtap-proxy ready: frontend=... backend=...`` on stderr once both sides are bound,
-then a status line every ``--status-interval`` seconds; SIGINT and SIGTERM stop it.
+then a status line every ``--status-interval`` seconds; SIGINT and SIGTERM stop it. A peer
+whose CURVE handshake fails (its key is not on the side's allow-list, CURVE on one end only, the
+wrong server key) is logged with its likely cause the first time, and counted per side in the
+status lines (``backend_handshakes_failed=N``) and :attr:`ProxyStatistics.handshake_failures`;
+the proxy serves the others.
 
 Exit codes (every error is one line on stderr): 0 stopped by SIGINT/SIGTERM; 1 an unexpected
-error (the forwarding thread failed); 2 usage error (a bad option, a missing or malformed key
-file); 5 transport: an endpoint cannot be bound (address in use, ...) or libzmq is older than
-4.3.5.
+error (the forwarding thread failed); 2 usage error (a bad option, a missing ipc folder, a
+missing or malformed key file); 5 transport: an endpoint cannot be bound (address in use, ...)
+or libzmq is older than 4.3.5.
 """
 
 from __future__ import annotations
@@ -48,8 +52,8 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from types import FrameType, TracebackType
 from typing import Any, Final
 
@@ -64,6 +68,7 @@ from .errors import (
     translate_zmq_errors,
 )
 from .security import CurveServer, attach, load_keypair, load_public_keys
+from .zmq_publisher import HandshakeWatch
 
 __all__ = ["DEFAULT_BACKEND", "DEFAULT_FRONTEND", "Proxy", "ProxyStatistics", "main"]
 
@@ -90,6 +95,9 @@ class ProxyStatistics:
         subscriptions_in: Subscriptions and unsubscriptions received from subscribers.
         subscriptions_out: Subscriptions and unsubscriptions forwarded to publishers.
         paused: Whether forwarding is paused.
+        handshake_failures: Peers whose handshake failed, by side (``frontend``: publishers,
+            ``backend``: subscribers) and likely cause (a key not on the side's allow-list, CURVE
+            on one end only, the wrong server key); such a peer is never connected.
     """
 
     frames_in: int
@@ -99,6 +107,7 @@ class ProxyStatistics:
     subscriptions_in: int
     subscriptions_out: int
     paused: bool
+    handshake_failures: Mapping[str, Mapping[str, int]] = field(default_factory=dict)
 
 
 def _heartbeat_options(heartbeat: float | None, *, timeout: bool) -> list[tuple[int, int]]:
@@ -179,6 +188,7 @@ class Proxy:
         self._error: TransportError | None = None
         self._contexts: list[zmq.Context[Any]] = []
         self._auths: list[Any] = []
+        self._handshakes: dict[str, HandshakeWatch] = {}  # side -> its failed handshakes
         self._control: zmq.Socket[Any] | None = None
         self._thread: threading.Thread | None = None
 
@@ -258,6 +268,9 @@ class Proxy:
         except BaseException:
             sock.close(linger=0)
             raise
+        self._handshakes[side] = HandshakeWatch(
+            sock, server=True, owner=f"{self.name} {side}", me="proxy",
+            peer="publisher" if side == "frontend" else "subscriber")
         try:
             bound = attach(sock, self._requested[side], bind=True, encrypted=curve is not None,
                            owner=f"{self.name} {side}")
@@ -321,6 +334,8 @@ class Proxy:
         for auth in self._auths:
             auth.stop()
         self._auths = []
+        for watch in self._handshakes.values():
+            watch.stop()
         held = self._thread is not None and self._thread.is_alive()
         if held:
             _log.warning("%s: forwarding is held back by a subscriber that does not read; closing "
@@ -368,8 +383,10 @@ class Proxy:
         if len(reply) != 8:
             raise TransportError(f"{self.name}: STATISTICS: expected 8 counters, got {len(reply)} frame(s)")
         f_in, fb_in, f_out, _, s_in, _, b_out, bb_out = (int.from_bytes(f, "little") for f in reply)
+        failed = {side: causes for side, watch in self._handshakes.items() if (causes := watch.causes())}
         return ProxyStatistics(frames_in=f_in, bytes_in=fb_in, frames_out=b_out, bytes_out=bb_out,
-                               subscriptions_in=s_in, subscriptions_out=f_out, paused=self._paused)
+                               subscriptions_in=s_in, subscriptions_out=f_out, paused=self._paused,
+                               handshake_failures=failed)
 
     def pause(self, timeout: float = 5.0) -> None:
         """Hold messages and subscriptions in the proxy's queues until :meth:`resume` (publishers
@@ -407,9 +424,9 @@ class Proxy:
 def build_parser() -> argparse.ArgumentParser:
     """The parser of ``worldtap-proxy``."""
     # Options are validated as worldtap-store validates its own.
-    from .cli_args import check_endpoint, positive_int, seconds
+    from .cli_args import OneLineParser, check_endpoint, positive_int, seconds
 
-    p = argparse.ArgumentParser(
+    p = OneLineParser(
         prog="worldtap-proxy",
         description="Forward worldtap messages from many publishers (which connect to the "
                     "frontend) to many subscribers (which connect to the backend), subscriptions "
@@ -464,7 +481,9 @@ def _status(stats: ProxyStatistics, rate: float | None = None) -> str:
     speed = "" if rate is None else f" MB/s={rate:.1f}"
     return (f"frames_in={stats.frames_in} MB_in={stats.bytes_in / 1e6:.1f} frames_out={stats.frames_out} "
             f"MB_out={stats.bytes_out / 1e6:.1f}{speed} subscriptions_in={stats.subscriptions_in} "
-            f"subscriptions_out={stats.subscriptions_out} paused={'yes' if stats.paused else 'no'}")
+            f"subscriptions_out={stats.subscriptions_out} paused={'yes' if stats.paused else 'no'}"
+            + "".join(f" {side}_handshakes_failed={sum(causes.values())}"
+                      for side, causes in sorted(stats.handshake_failures.items())))
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -6,42 +6,77 @@ never depends on the order of a mapping's keys: equality and checks go by field 
 :meth:`TopicSchema.ordered` is the one canonical order (sorted names) for anything positional.
 
 Dtype names use the ``torch`` spelling (``"float32"``, ``"bool"``, ``"bfloat16"``). A numpy
-array is spelled by its dtype's name, which agrees with torch's for every dtype both have.
+array is spelled by its dtype's name, which agrees with torch's for every dtype both have; a
+:class:`BFloat16Bits` array (bfloat16 values as their bits) is spelled ``"bfloat16"``. Nothing
+here imports torch until a torch tensor or a dtype name only torch knows turns up, so the
+storage daemon checks numpy arrays without it.
 """
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any, TypeAlias, TypeVar
+from typing import TYPE_CHECKING, Any, Final, TypeAlias, TypeGuard, TypeVar
 
 import numpy as np
-import torch
 
 from .errors import SchemaError
 
-__all__ = ["Array", "FieldSpec", "TopicSchema", "dtype_name"]
+if TYPE_CHECKING:
+    import torch
 
-Array: TypeAlias = torch.Tensor | np.ndarray
+__all__ = ["Array", "BFloat16Bits", "FieldSpec", "TopicSchema", "dtype_name", "is_tensor"]
+
+Array: TypeAlias = "torch.Tensor | np.ndarray"
 """What a schema describes: a batched tensor, or a numpy array (the daemon's decoded view)."""
 
 T = TypeVar("T")
 
+_PLAIN: Final = frozenset({
+    "bool", "uint8", "int8", "int16", "int32", "int64", "uint16", "uint32", "uint64", "float16",
+    "bfloat16", "float32", "float64", "complex64", "complex128",
+})
+"""Canonical dtype names that torch and numpy spell alike (and bfloat16): known without torch."""
 
-def _torch_dtype(name: str) -> torch.dtype | None:
+
+class BFloat16Bits(np.ndarray):
+    """bfloat16 values as their 16 bits: a ``uint16`` numpy array that :func:`dtype_name` spells
+    ``"bfloat16"`` (numpy has no bfloat16). The wire decoder's numpy arrays hold bfloat16 tensors
+    so. Its values are bits: arithmetic on it is integer arithmetic."""
+
+
+def is_tensor(value: object) -> TypeGuard[torch.Tensor]:
+    """Whether ``value`` is a ``torch.Tensor``, without importing torch (no tensor exists before
+    torch is imported)."""
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(value, torch.Tensor)
+
+
+def _canonical(name: str) -> str | None:
+    """The canonical torch spelling of dtype name ``name`` (``"float"`` -> ``"float32"``), or
+    ``None`` when torch has no such dtype (or is not installed and ``name`` is not plain)."""
+    if name in _PLAIN:
+        return name
+    try:
+        import torch
+    except ImportError:
+        return None
     dtype = getattr(torch, name, None)
-    return dtype if isinstance(dtype, torch.dtype) else None
+    return str(dtype).removeprefix("torch.") if isinstance(dtype, torch.dtype) else None
 
 
 def dtype_name(value: Array) -> str:
     """The dtype of ``value`` in torch spelling (``torch.float32`` and numpy ``float32`` are
-    both ``"float32"``). A numpy array in a non-native byte order is spelled like ``">f4"``,
-    which no schema accepts."""
-    if isinstance(value, torch.Tensor):
-        return str(value.dtype).removeprefix("torch.")
-    dtype = value.dtype
-    return dtype.name if dtype.isnative else dtype.str
+    both ``"float32"``, a :class:`BFloat16Bits` array is ``"bfloat16"``). A numpy array in a
+    non-native byte order is spelled like ``">f4"``, which no schema accepts."""
+    if isinstance(value, np.ndarray):
+        dtype = value.dtype
+        if isinstance(value, BFloat16Bits) and dtype == np.uint16:
+            return "bfloat16"
+        return dtype.name if dtype.isnative else dtype.str
+    return str(value.dtype).removeprefix("torch.")
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,10 +93,11 @@ class FieldSpec:
     shape: tuple[int, ...]
 
     def __post_init__(self) -> None:
-        if not isinstance(self.dtype, str) or _torch_dtype(self.dtype) is None:
+        canonical = _canonical(self.dtype) if isinstance(self.dtype, str) else None
+        if canonical is None:
             raise SchemaError(f"dtype: expected the name of a torch dtype (e.g. 'float32'), got {self.dtype!r}")
         # Canonical spelling, so that aliases ("float", "long") compare equal to it.
-        object.__setattr__(self, "dtype", str(self.torch_dtype).removeprefix("torch."))
+        object.__setattr__(self, "dtype", canonical)
         shape: object = self.shape
         if not isinstance(shape, tuple) or any(
             isinstance(d, bool) or not isinstance(d, int | np.integer) or d < 0 for d in shape
@@ -80,9 +116,10 @@ class FieldSpec:
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        """The ``torch.dtype`` named by :attr:`dtype`."""
-        dtype = _torch_dtype(self.dtype)
-        assert dtype is not None  # checked in __post_init__
+        """The ``torch.dtype`` named by :attr:`dtype` (imports torch)."""
+        import torch
+
+        dtype: torch.dtype = getattr(torch, self.dtype)  # a torch dtype: checked in __post_init__
         return dtype
 
     def to_dict(self) -> dict[str, Any]:
@@ -109,7 +146,8 @@ class TopicSchema:
     fields: Mapping[str, FieldSpec]
     _names: tuple[str, ...] = field(init=False, repr=False, compare=False)
     _name_set: frozenset[str] = field(init=False, repr=False, compare=False)
-    _expect: tuple[tuple[str, FieldSpec, torch.dtype], ...] = field(init=False, repr=False, compare=False)
+    _expect: tuple[tuple[str, FieldSpec], ...] = field(init=False, repr=False, compare=False)
+    _torch: tuple[torch.dtype, ...] | None = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         for name, spec in self.fields.items():
@@ -121,7 +159,8 @@ class TopicSchema:
         object.__setattr__(self, "fields", MappingProxyType({n: self.fields[n] for n in names}))
         object.__setattr__(self, "_names", names)
         object.__setattr__(self, "_name_set", frozenset(names))
-        object.__setattr__(self, "_expect", tuple((n, s, s.torch_dtype) for n, s in self.fields.items()))
+        object.__setattr__(self, "_expect", tuple(self.fields.items()))
+        object.__setattr__(self, "_torch", None)  # the torch dtypes, on the first tensor checked
 
     def __hash__(self) -> int:
         return hash(tuple(self.fields.items()))
@@ -139,12 +178,12 @@ class TopicSchema:
         """
         specs: dict[str, FieldSpec] = {}
         for name, value in fields.items():
-            if not isinstance(value, torch.Tensor | np.ndarray):
+            if not isinstance(value, np.ndarray) and not is_tensor(value):
                 raise _not_an_array(topic, name, value)
             if value.ndim == 0:
                 raise SchemaError(f"{_where(topic, name)}: expected a leading worlds dimension, got shape ()")
             dtype = dtype_name(value)
-            if _torch_dtype(dtype) is None:
+            if _canonical(dtype) is None:
                 raise SchemaError(f"{_where(topic, name)}: expected a dtype torch has, got {dtype!r}")
             specs[name] = FieldSpec(dtype, tuple(value.shape[1:]))
         return cls(specs)
@@ -173,10 +212,10 @@ class TopicSchema:
             extra = [n for n in got if n not in self._name_set]
             raise SchemaError(f"topic {topic!r}: expected fields {list(self._names)}, got {got} "
                               f"(missing {missing}, extra {extra})")
-        for name, spec, dtype in self._expect:
+        for i, (name, spec) in enumerate(self._expect):
             value = fields[name]
-            if isinstance(value, torch.Tensor):
-                same = value.dtype == dtype
+            if is_tensor(value):
+                same = value.dtype == self._torch_dtypes()[i]
             elif isinstance(value, np.ndarray):
                 same = dtype_name(value) == spec.dtype
             else:
@@ -189,6 +228,14 @@ class TopicSchema:
             if rows is not None and shape[0] != rows:
                 raise SchemaError(f"topic {topic!r} field {name!r}: expected a leading worlds dimension of "
                                   f"{rows}, got shape {tuple(shape)}")
+
+    def _torch_dtypes(self) -> tuple[torch.dtype, ...]:
+        """The torch dtype of each field, in canonical order (made once, on first use)."""
+        dtypes = self._torch
+        if dtypes is None:
+            dtypes = tuple(spec.torch_dtype for _, spec in self._expect)
+            object.__setattr__(self, "_torch", dtypes)
+        return dtypes
 
     def ordered(self, fields: Mapping[str, T]) -> list[T]:
         """The values of ``fields`` in this schema's canonical order (sorted names).

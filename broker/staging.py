@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import collections
 import ctypes
+import math
 import threading
 import time
 from typing import Any, Final, Protocol
@@ -67,24 +68,28 @@ class Tracker(Protocol):
     def wait(self, timeout: float | int = -1) -> Any: ...
 
 
-PlanKey = tuple[tuple[torch.dtype, torch.Size], ...]
+PlanKey = tuple[Any, ...]
+"""What messages that share a :class:`Plan` have in common: each tensor's dtype and shape, less the
+leading dimension when every tensor has one and they all agree (a batch's worlds)."""
 
 
 class Slot:
     """One staging buffer (pinned when it has held CUDA tensors)."""
 
-    __slots__ = ("array", "buffer", "busy", "event", "plans", "recent", "tracker")
+    __slots__ = ("array", "buffer", "busy", "event", "framed", "plans", "recent", "tracker", "views")
 
     def __init__(self) -> None:
         self.buffer: torch.Tensor | None = None
-        # (dtype, shape) of every tensor -> its plan: messages of one topic repeat their shapes.
-        # Bounded (LRU): variable-shape messages would otherwise add a plan each.
+        # PlanKey -> its plan: messages of one topic repeat their dtypes and (trailing) shapes.
+        # Bounded (LRU): messages of ever new shapes would otherwise add a plan each.
         self.plans: collections.OrderedDict[PlanKey, Plan] = collections.OrderedDict()
         self.recent: Plan | None = None  # the most recently used plan (last in ``plans``)
         self.array: Any = None  # numpy view of ``buffer``, for zero-copy frames
         self.busy = False
         self.tracker: Tracker | None = None
         self.event: Any = None  # torch.cuda.Event of the last staging copy
+        self.framed: Layout | None = None  # the layout whose frames ``views`` holds
+        self.views: list[memoryview] = []
 
     def ensure(self, nbytes: int, pinned: bool) -> torch.Tensor:
         """The buffer, reallocated if it is too small (or not pinned when it must be)."""
@@ -93,23 +98,52 @@ class Slot:
             self.array = self.buffer.numpy()
             self.plans.clear()
             self.recent = None
+            self.framed = None
         return self.buffer
 
     def frame(self, offset: int, nbytes: int) -> memoryview:
         """A zero-copy view of staged bytes."""
         return self.array[offset:offset + nbytes].data  # type: ignore[no-any-return]
 
+    def frames(self, layout: Layout) -> list[memoryview]:
+        """Zero-copy views of the staged tensors of ``layout`` (a layout :meth:`StagingRing.stage`
+        returned for this slot; a plan hands out the same layout object while the leading
+        dimension stays, so the views are made once)."""
+        if layout is not self.framed:
+            self.views = [self.frame(offset, nbytes) for offset, nbytes in layout]
+            self.framed = layout
+        return self.views
+
 
 class Plan:
-    """How one message shape is laid out in a slot: each tensor's ``(offset, nbytes)``, and
-    destination views (torch, and numpy and addresses for the CPU path) of the non-empty ones."""
+    """How messages of one :data:`PlanKey` are laid out in a slot: each tensor's offset (room
+    for ``capacity`` leading rows when the leading dimension varies) and bytes per row, and
+    destination views (torch, and numpy for strided sources) of those with any bytes."""
 
-    __slots__ = ("addresses", "host", "layout", "nonempty", "pinned", "views")
+    __slots__ = ("address", "capacity", "host", "layout", "offsets", "pinned", "row_bytes", "rows", "views")
 
-    def __init__(self, layout: Layout, views: list[torch.Tensor], host: list[np.ndarray],
-                 nonempty: list[int], pinned: bool) -> None:
-        self.layout, self.views, self.host, self.nonempty, self.pinned = layout, views, host, nonempty, pinned
-        self.addresses = [int(h.ctypes.data) for h in host]
+    def __init__(self, offsets: list[int], row_bytes: list[int], capacity: int, views: list[torch.Tensor | None],
+                 address: int, pinned: bool) -> None:
+        self.offsets, self.row_bytes, self.capacity, self.views = offsets, row_bytes, capacity, views
+        self.host: list[Any] = [None if v is None else _host_array(v) for v in views]  # numpy, or None
+        self.address, self.pinned = address, pinned
+        self.rows = -1
+        self.layout: Layout = []
+
+    def layout_for(self, rows: int) -> Layout:
+        """The layout of a message of ``rows`` leading rows (the same object while ``rows`` stays)."""
+        if rows != self.rows:
+            self.layout = [(offset, rows * size) for offset, size in zip(self.offsets, self.row_bytes, strict=True)]
+            self.rows = rows
+        return self.layout
+
+
+def _rows(shapes: list[torch.Size]) -> int | None:
+    """The leading dimension of every shape when each has one and they all agree, else ``None``."""
+    first = shapes[0][0] if shapes and len(shapes[0]) else None
+    if first is None or not all(len(s) and s[0] == first for s in shapes):
+        return None
+    return int(first)
 
 
 class Staged:
@@ -138,6 +172,9 @@ class StagingRing:
         self._cond = cond
         self._streams: dict[torch.device, Any] = {}
         self.closed = False
+        self.plans_built = 0
+        """Plans made so far (a new message shape, more rows than planned for, a reallocated
+        buffer): each costs a few views per tensor."""
 
     def acquire(self, wait: bool, timeout: float) -> Slot | None:
         """The next slot, once ZeroMQ is done with it; ``None`` if it is still in use and
@@ -177,13 +214,25 @@ class StagingRing:
 
     def stage(self, slot: Slot, tensors: list[torch.Tensor]) -> tuple[Layout, Any]:
         """Copy ``tensors`` into ``slot`` (64-byte aligned). Returns the layout and, for CUDA
-        tensors, the event the sender must wait on before reading the slot (else ``None``)."""
+        tensors, the event the sender must wait on before reading the slot (else ``None``).
+
+        Messages that differ only in their leading dimension (reset batches, episode ends) share
+        one plan, with room for the most rows seen (grown by doubling)."""
         cuda = next((t.device for t in tensors if t.is_cuda), None)
-        key = tuple((t.dtype, t.shape) for t in tensors)
+        shapes = [t.shape for t in tensors]
+        rows = _rows(shapes)
+        if rows is None:
+            key: PlanKey = tuple([(t.dtype, s) for t, s in zip(tensors, shapes, strict=True)])
+        else:
+            key = (*[(t.dtype, s[1:]) for t, s in zip(tensors, shapes, strict=True)], "rows")
         plans = slot.plans
         plan = plans.get(key)
-        if plan is None or (cuda is not None and not plan.pinned):
-            plan = self._plan(slot, tensors, pinned=cuda is not None)
+        if plan is None or (cuda is not None and not plan.pinned) or (rows or 1) > plan.capacity:
+            if rows is None or plan is None:
+                capacity = rows or 1
+            else:  # grown by doubling, so that growing numbers of rows rebuild it a few times only
+                capacity = max(rows, 2 * plan.capacity) if rows > plan.capacity else plan.capacity
+            plan = self._plan(slot, tensors, shapes, rows is not None, capacity, pinned=cuda is not None)
             plans[key] = plan  # after _plan: a reallocated buffer clears the plans
             plans.move_to_end(key)
             if len(plans) > PLANS_PER_SLOT:
@@ -192,29 +241,42 @@ class StagingRing:
         elif plan is not slot.recent:  # a repeated shape is already the most recent
             plans.move_to_end(key)
             slot.recent = plan
+        layout = plan.layout_for(1 if rows is None else rows)
         if cuda is not None:
-            return plan.layout, self._stage_cuda(slot, plan.views, [tensors[i] for i in plan.nonempty], cuda)
-        for dst, address, i in zip(plan.host, plan.addresses, plan.nonempty, strict=True):
-            src = tensors[i]
+            used = [i for i, (_, nbytes) in enumerate(layout) if nbytes]
+            views = [plan.views[i] for i in used]
+            if rows is not None and rows != plan.capacity:
+                views = [v[:rows] for v in views]  # type: ignore[index]
+            return layout, self._stage_cuda(slot, views, [tensors[i] for i in used], cuda)  # type: ignore[arg-type]
+        address = plan.address
+        for src, (offset, nbytes), host in zip(tensors, layout, plan.host, strict=True):
+            if not nbytes:
+                continue
             if src.is_contiguous() and not (src.is_neg() or src.is_conj()):
-                _memmove_holding_gil(address, src.data_ptr(), dst.nbytes)
+                _memmove_holding_gil(address + offset, src.data_ptr(), nbytes)
             else:  # strided: numpy copies element by element (bits, whatever the dtype)
-                np.copyto(dst, _host_array(src), casting="no")
-        return plan.layout, None
+                np.copyto(host if rows is None else host[:rows], _host_array(src), casting="no")
+        return layout, None
 
-    @staticmethod
-    def _plan(slot: Slot, tensors: list[torch.Tensor], pinned: bool) -> Plan:
-        layout: Layout = []
+    def _plan(self, slot: Slot, tensors: list[torch.Tensor], shapes: list[torch.Size], leading: bool,
+              capacity: int, pinned: bool) -> Plan:
+        """A plan for ``capacity`` leading rows (``leading``: the shapes' first dimension varies
+        between messages of the plan) or for exactly these shapes."""
+        self.plans_built += 1
+        offsets: list[int] = []
+        row_bytes: list[int] = []
         offset = 0
-        for t in tensors:
-            nbytes = t.numel() * t.element_size()
-            layout.append((offset, nbytes))
-            offset += -(-nbytes // _ALIGN) * _ALIGN
+        for t, shape in zip(tensors, shapes, strict=True):
+            size = t.element_size() * (math.prod(shape[1:]) if leading else math.prod(shape))
+            offsets.append(offset)
+            row_bytes.append(size)
+            offset += -(-(size * capacity) // _ALIGN) * _ALIGN
         buffer = slot.ensure(offset, pinned=pinned)
-        nonempty = [i for i, (_, nb) in enumerate(layout) if nb]
-        views = [buffer[layout[i][0]:layout[i][0] + layout[i][1]].view(tensors[i].dtype).view(tensors[i].shape)
-                 for i in nonempty]
-        return Plan(layout, views, [_host_array(v) for v in views], nonempty, pinned and buffer.is_pinned())
+        views: list[torch.Tensor | None] = [
+            buffer[o:o + size * capacity].view(t.dtype).view((capacity, *shape[1:]) if leading else shape)
+            if size else None
+            for t, shape, o, size in zip(tensors, shapes, offsets, row_bytes, strict=True)]
+        return Plan(offsets, row_bytes, capacity, views, int(buffer.data_ptr()), pinned and buffer.is_pinned())
 
     def _stage_cuda(self, slot: Slot, views: list[torch.Tensor], sources: list[torch.Tensor],
                     device: torch.device) -> Any:

@@ -25,23 +25,25 @@ one length, that length leading every other tensor, bool tensors holding only 0 
 its *values* (world indices, episode numbers) are for the receiver to check against its run.
 Decoded tensors are CPU tensors built over the received frames without a copy (a read-only
 buffer such as ``bytes`` is copied once, because torch tensors must be writable); they belong to
-the receiver.
+the receiver. With ``arrays="numpy"`` they are numpy arrays over the frames instead (read-only
+over a read-only buffer; bfloat16 as :class:`broker.BFloat16Bits`), and decoding never imports
+torch: this module imports it only to encode or to decode to torch.
 """
 
 from __future__ import annotations
 
+import collections
 import math
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final, Generic, Literal, overload
 
 import msgpack
 import numpy as np
-import torch
 
-from ._assemble import DTYPES, MAX_BYTES, MAX_DIMS, assemble, shape_error, shown
+from ._assemble import DTYPES, MAX_BYTES, MAX_DIMS, NUMPY_DTYPES, LazyMapping, assemble, shape_error, shown
 from ._assemble import fail as _fail
 from ._assemble import is_count as _is_count
 from .errors import WireFormatError
@@ -49,13 +51,20 @@ from .messages import (
     TOPIC_EPISODE_END,
     TOPIC_RUN_END,
     TOPIC_RUN_START,
+    A,
     Batch,
     EpisodeEnd,
     Message,
+    MessageOf,
+    NumpyMessage,
     RunEnd,
     RunStart,
     VariationSample,
 )
+from .schema import BFloat16Bits, is_tensor
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = [
     "DEFAULT_MAX_HEADER_SIZE",
@@ -67,11 +76,14 @@ __all__ = [
     "SUBSCRIBER_ACK",
     "SUBSCRIBER_HELLO",
     "Decoded",
+    "HeaderCache",
+    "HeaderTemplate",
     "decode",
     "decode_envelope",
     "encode",
     "encode_header",
     "message_tensors",
+    "template_key",
     "tensor_spec",
 ]
 
@@ -85,7 +97,7 @@ DEFAULT_MAX_MESSAGE_SIZE: Final = 1 << 31
 """Largest accepted frame and whole message (bytes); also the receiving socket's MAXMSGSIZE, and
 the most bytes any decoded shape may span (run-schema fields included, zero dimensions counted
 as 1)."""
-_NAMES: Final = {dtype: name for name, dtype in DTYPES.items()}
+_NAMES: Final = LazyMapping(lambda: {dtype: name for name, dtype in DTYPES.items()})
 _NUMPY: Final = {name: np.dtype(name if name != "bfloat16" else "int16") for name in DTYPES}
 """Wire name -> numpy dtype to view a frame as (bfloat16, which numpy lacks: its bits)."""
 
@@ -120,18 +132,19 @@ Spec = tuple[str, str, tuple[int, ...]]
 
 
 @dataclass(frozen=True, slots=True)
-class Decoded:
+class Decoded(Generic[A]):
     """A decoded message and its envelope (who numbered it, and how).
 
     Attributes:
-        message: The message; its tensors belong to the receiver.
+        message: The message; its tensors (torch tensors, or numpy arrays for
+            ``Decoded[np.ndarray]``) belong to the receiver.
         publisher: Id of the publisher that numbered it (``""`` when encoded standalone).
         number: Position of the message in its ``(publisher, run, topic)`` stream.
         streams: On ``run/end`` only: topic -> number of messages the publisher numbered on it
             in this run (lets receivers detect losses at the tail of a stream).
     """
 
-    message: Message
+    message: MessageOf[A]
     publisher: str
     number: int
     streams: Mapping[str, int]
@@ -154,7 +167,7 @@ def message_tensors(message: Message) -> tuple[list[tuple[str, torch.Tensor]], l
 
 def tensor_spec(topic: str, name: str, tensor: torch.Tensor) -> Spec:
     """``(name, dtype name, shape)`` of ``tensor``, checked against the dtype whitelist."""
-    if not isinstance(tensor, torch.Tensor):
+    if not is_tensor(tensor):
         raise _fail("encode", f"topic {topic!r} tensor {name!r}: expected a torch.Tensor, got {tensor!r}")
     dtype = _NAMES.get(tensor.dtype)
     if dtype is None:
@@ -167,23 +180,9 @@ def _entries(specs: Sequence[Spec], first: int) -> list[list[Any]]:
     return [[name, dtype, list(shape), first + i] for i, (name, dtype, shape) in enumerate(specs)]
 
 
-def encode_header(
-    message: Message,
-    own: Sequence[Spec],
-    fields: Sequence[Spec],
-    *,
-    publisher: str = "",
-    number: int = 0,
-    streams: Mapping[str, int] | None = None,
-) -> bytes:
-    """The msgpack header of ``message`` whose tensors have the given specs (frame order: own
-    tensors, then fields: a batch's fields or an episode end's outcomes).
-
-    Raises:
-        WireFormatError: (reason ``"encode"``) a value msgpack cannot carry, e.g. metadata, or
-            a run message that receivers would reject (metadata map keys other than str or
-            bytes, a schema dtype off the whitelist).
-    """
+def _head(message: Message, own: Sequence[Spec], fields: Sequence[Spec], publisher: str, number: int,
+          streams: Mapping[str, int] | None) -> tuple[str, dict[str, Any]]:
+    """The kind of ``message`` and its header as a map, in wire order (see :func:`encode_header`)."""
     kind = _KINDS.get(type(message))
     if kind is None:
         raise _fail("encode", f"message: expected one of {[k.__name__ for k in _KINDS]}, got {message!r}")
@@ -211,6 +210,27 @@ def encode_header(
         if isinstance(message, RunEnd):
             head["interrupted"] = message.interrupted
             head["streams"] = dict(streams or {})
+    return kind, head
+
+
+def encode_header(
+    message: Message,
+    own: Sequence[Spec],
+    fields: Sequence[Spec],
+    *,
+    publisher: str = "",
+    number: int = 0,
+    streams: Mapping[str, int] | None = None,
+) -> bytes:
+    """The msgpack header of ``message`` whose tensors have the given specs (frame order: own
+    tensors, then fields: a batch's fields or an episode end's outcomes).
+
+    Raises:
+        WireFormatError: (reason ``"encode"``) a value msgpack cannot carry, e.g. metadata, or
+            a run message that receivers would reject (metadata map keys other than str or
+            bytes, a schema dtype off the whitelist).
+    """
+    kind, head = _head(message, own, fields, publisher, number, streams)
     try:
         header: bytes = msgpack.packb(head, use_bin_type=True, strict_types=False)
     except (TypeError, ValueError, OverflowError, msgpack.PackException) as exc:
@@ -229,6 +249,226 @@ def encode_header(
     return header
 
 
+_VARYING: Final = ("run", "seq", "step", "pub", "n")
+"""Header keys whose values change from one message of a shape to the next (adjacent, in wire
+order): a :class:`HeaderTemplate` packs them per message."""
+_NUMBERS: Final = -1
+_ROWS: Final = -2
+"""Places in a template's chunks for the packed :data:`_VARYING` values and the row count."""
+
+
+class HeaderTemplate:
+    """The header of every message of one shape, encoded once: per message only the values of
+    :data:`_VARYING` (and the row count) are packed and joined with the cached bytes, giving byte
+    for byte what :func:`encode_header` writes (same map, same key order, same msgpack widths).
+
+    Messages share a template when they have the same kind, topic, kind constants (a batch's
+    hook; a variation's key, phase and labels), tensor names, dtypes and shapes, except that
+    when every tensor has a leading dimension and they all agree (the worlds of a batch), that
+    dimension is per message too (see :func:`template_key`).
+
+    Args:
+        message: A message of the shape (not a run message).
+        own: Specs of its own tensors; ``fields``: of its named tensors (see :func:`encode_header`).
+        rows: The leading dimension shared by every tensor (per message), or ``None``: the
+            shapes are fixed.
+
+    Raises:
+        WireFormatError: (reason ``"encode"``) a constant msgpack cannot carry.
+    """
+
+    __slots__ = ("_chunks", "_numbers", "_rows", "_topic")
+
+    def __init__(self, message: Message, own: Sequence[Spec], fields: Sequence[Spec], rows: int | None) -> None:
+        self._topic = message.topic
+        kind, head = _head(message, own, fields, "", 0, None)
+        if kind in ("run_start", "run_end"):
+            raise _fail("encode", f"topic {message.topic!r}: run messages have no header template")
+        packer = msgpack.Packer(use_bin_type=True, strict_types=False)
+        chunks: list[bytes | int] = [packer.pack_map_header(len(head))]
+        try:
+            for key, value in head.items():
+                if key in _VARYING[1:]:
+                    continue
+                chunks.append(packer.pack(key))
+                if key == "run":
+                    chunks.append(_NUMBERS)
+                elif key in ("tensors", _NAMED.get(kind)) and rows is not None:
+                    chunks.append(packer.pack_array_header(len(value)))
+                    for name, dtype, shape, frame in value:
+                        chunks += [packer.pack_array_header(4), packer.pack(name), packer.pack(dtype),
+                                   packer.pack_array_header(len(shape)), _ROWS,
+                                   *(packer.pack(d) for d in shape[1:]), packer.pack(frame)]
+                else:
+                    chunks.append(packer.pack(value))
+        except (TypeError, ValueError, OverflowError, msgpack.PackException) as exc:
+            raise _fail("encode", f"topic {message.topic!r}: header cannot be encoded with msgpack: "
+                                  f"{exc}") from exc
+        merged: list[bytes | int] = []
+        for chunk in chunks:
+            if isinstance(chunk, bytes) and merged and isinstance(merged[-1], bytes):
+                merged[-1] += chunk
+            else:
+                merged.append(chunk)
+        self._numbers = merged.index(_NUMBERS)
+        self._rows = [i for i, chunk in enumerate(merged) if chunk == _ROWS]
+        self._chunks: list[bytes] = [c if isinstance(c, bytes) else b"" for c in merged]
+
+    def header(self, run: str, seq: int, step: int, publisher: str, number: int, rows: int | None) -> bytes:
+        """The header of a message of this shape with these values (``rows``: its leading
+        dimension, ignored when the template's shapes are fixed).
+
+        Raises:
+            WireFormatError: (reason ``"encode"``) a value msgpack cannot carry (an int of 2**64
+                or more or below -2**63, an object msgpack does not know).
+        """
+        parts = self._chunks.copy()
+        try:
+            # A list of up to 15 items packs as a one-byte header and then the items exactly as
+            # they are packed inside the header map.
+            parts[self._numbers] = msgpack.packb([run, "seq", seq, "step", step, "pub", publisher, "n", number],
+                                                 use_bin_type=True, strict_types=False)[1:]
+            if self._rows:
+                packed = msgpack.packb(rows, use_bin_type=True, strict_types=False)
+                for i in self._rows:
+                    parts[i] = packed
+        except (TypeError, ValueError, OverflowError, msgpack.PackException) as exc:
+            raise _fail("encode", f"topic {self._topic!r}: header cannot be encoded with msgpack: "
+                                  f"{exc}") from exc
+        return b"".join(parts)
+
+
+def template_key(message: Message, tensors: Sequence[tuple[str, torch.Tensor]]) -> tuple[Any, ...] | None:
+    """What a message must share with another for the same header bytes but for the varying
+    values: type, topic, kind constants (a batch's hook; a variation's key, phase and labels),
+    and each tensor's name, type, dtype and shape. ``None`` for a run message, or one whose
+    tensors have no dtype or shape (the encoder then reports what is wrong).
+
+    Args:
+        message: The message.
+        tensors: Its own tensors, then its named ones (:func:`message_tensors`).
+    """
+    if isinstance(message, Batch):
+        constants: Any = message.hook
+    elif isinstance(message, EpisodeEnd):
+        constants = None
+    elif isinstance(message, VariationSample):
+        labels = message.labels
+        try:
+            constants = (message.key, message.phase, None if labels is None else tuple(labels))
+        except TypeError:  # labels that are no sequence
+            return None
+    else:
+        return None
+    try:
+        return (type(message), message.topic, constants, tuple([(n, type(t), t.dtype, t.shape) for n, t in tensors]))
+    except AttributeError:  # not a tensor
+        return None
+
+
+def _shared(key: tuple[Any, ...]) -> tuple[tuple[Any, ...], int | None]:
+    """The :class:`HeaderTemplate` key of messages like the one of ``key`` (a
+    :func:`template_key`) whatever their leading dimension, when every tensor has one and they
+    all agree, and that dimension (else ``key`` itself and ``None``)."""
+    items = key[3]
+    shapes = [shape for _, _, _, shape in items]
+    first = shapes[0][0] if shapes and len(shapes[0]) else None
+    if first is None or not all(len(s) and s[0] == first for s in shapes):
+        return key, None
+    return (*key[:3], tuple([(n, ty, dt, s[1:]) for (n, ty, dt, _), s in zip(items, shapes, strict=True)]),
+            "rows"), first
+
+
+def _cacheable(key: tuple[Any, ...]) -> bool:
+    """Whether the topic, names and constants in a template key are exact ``str`` (or ``None``),
+    so that equal keys mean equal header bytes (``1 == True == 1.0`` would not)."""
+    constants = key[2]
+    if isinstance(constants, tuple):  # a variation's key, phase and labels
+        name, phase, labels = constants
+        constants = (name, phase, *(labels or ()))
+    else:
+        constants = () if constants is None else (constants,)
+    return all(type(v) is str for v in (key[1], *(item[0] for item in key[3]), *constants))
+
+
+class HeaderCache:
+    """The :class:`HeaderTemplate` of each message shape one publisher sends (least recently
+    used out), shared by messages that differ only in their leading (worlds) dimension; run
+    messages (two a run) are encoded in full.
+
+    Args:
+        size: Most templates kept (and most exact shapes remembered).
+
+    Attributes:
+        built: Templates built so far: a message shape seen for the first time (or again after
+            its template was evicted).
+    """
+
+    def __init__(self, size: int = 256) -> None:
+        self.size = size
+        self.built = 0
+        self._templates: collections.OrderedDict[Any, HeaderTemplate] = collections.OrderedDict()
+        # exact key -> its template and leading dimension: most messages repeat an exact shape
+        self._exact: collections.OrderedDict[Any, tuple[HeaderTemplate, int | None]] = collections.OrderedDict()
+        self._recent: tuple[HeaderTemplate, int | None] | None = None
+
+    def header(
+        self,
+        message: Message,
+        own: Sequence[tuple[str, torch.Tensor]],
+        fields: Sequence[tuple[str, torch.Tensor]],
+        *,
+        publisher: str,
+        number: int,
+        streams: Mapping[str, int] | None = None,
+    ) -> bytes:
+        """The header :func:`encode_header` writes for ``message`` (own tensors and named
+        tensors as :func:`message_tensors` returns them).
+
+        Raises:
+            WireFormatError: The message cannot be encoded (see :func:`encode_header`).
+        """
+        key = template_key(message, [*own, *fields])
+        found = None if key is None else self._exact.get(key)
+        if found is None:
+            found = self._lookup(message, own, fields, key)
+            if found is None:
+                topic = message.topic
+                return encode_header(message, [tensor_spec(topic, n, t) for n, t in own],
+                                     [tensor_spec(topic, n, t) for n, t in fields], publisher=publisher,
+                                     number=number, streams=streams)
+        elif found is not self._recent:  # a repeated shape is already the most recent
+            self._exact.move_to_end(key)
+            self._recent = found
+        template, rows = found
+        return template.header(message.run, message.seq, message.step, publisher, number, rows)
+
+    def _lookup(self, message: Message, own: Sequence[tuple[str, torch.Tensor]],
+                fields: Sequence[tuple[str, torch.Tensor]],
+                key: tuple[Any, ...] | None) -> tuple[HeaderTemplate, int | None] | None:
+        """The template of a shape not seen exactly before (built if needed, and remembered when
+        its key is exact), or ``None`` for messages encoded in full."""
+        if key is None:
+            return None
+        shared, rows = _shared(key)
+        template = self._templates.get(shared)
+        if template is None:
+            topic = message.topic
+            template = HeaderTemplate(message, [tensor_spec(topic, n, t) for n, t in own],
+                                      [tensor_spec(topic, n, t) for n, t in fields], rows)
+            self.built += 1
+            if not _cacheable(key):
+                return template, rows
+            self._templates[shared] = template
+            if len(self._templates) > self.size:
+                self._templates.popitem(last=False)
+        else:
+            self._templates.move_to_end(shared)
+        self._exact[key] = self._recent = found = (template, rows)
+        if len(self._exact) > self.size:
+            self._exact.popitem(last=False)
+        return found
+
 def _plain(value: Any, depth: int = 0) -> Any:
     """``value`` with every mapping a dict and every tuple a list (what msgpack packs and a
     receiver gets back); anything else as it is, for msgpack and the receivers' checks to judge."""
@@ -242,6 +482,8 @@ def _plain(value: Any, depth: int = 0) -> Any:
 
 
 def _frame(tensor: torch.Tensor) -> memoryview:
+    import torch
+
     host = tensor.detach().to("cpu").contiguous()
     return host.reshape(-1).view(torch.uint8).numpy().data
 
@@ -273,12 +515,27 @@ def encode(
 # -- decoding -------------------------------------------------------------------------------
 
 
+Arrays = Literal["torch", "numpy"]
+"""What the decoder builds a message's tensors as."""
+
+
+@overload
+def decode(frames: Sequence[Any], *, max_header_size: int = ..., max_message_size: int = ...,
+           arrays: Literal["torch"] = ...) -> Message: ...
+
+
+@overload
+def decode(frames: Sequence[Any], *, max_header_size: int = ..., max_message_size: int = ...,
+           arrays: Literal["numpy"]) -> NumpyMessage: ...
+
+
 def decode(
     frames: Sequence[Any],
     *,
     max_header_size: int = DEFAULT_MAX_HEADER_SIZE,
     max_message_size: int = DEFAULT_MAX_MESSAGE_SIZE,
-) -> Message:
+    arrays: Arrays = "torch",
+) -> Message | NumpyMessage:
     """Decode ``[topic, header, frames...]`` (``bytes``, ``memoryview`` or ``zmq.Frame``).
 
     Args:
@@ -288,13 +545,28 @@ def decode(
         max_message_size: Largest accepted message in bytes, and the most bytes any shape in it
             may span with each zero dimension counted as 1 (never more than 2**62), so that a
             zero-row tensor cannot declare dimensions whose products overflow downstream.
+        arrays: ``"torch"``: the message's tensors are torch tensors. ``"numpy"``: numpy arrays
+            over the frames, never copied (except a tiny frame that is not aligned for its
+            dtype), read-only when a frame is; bfloat16 as :class:`broker.BFloat16Bits` (its
+            16 bits); torch is not imported.
 
     Raises:
         WireFormatError: Anything about the message is invalid; ``reason`` (one of
             :data:`REASONS`) says what. Nothing else is raised for any received bytes.
+        ValueError: ``arrays`` is neither ``"torch"`` nor ``"numpy"``.
     """
-    return decode_envelope(frames, max_header_size=max_header_size,
-                           max_message_size=max_message_size).message
+    return decode_envelope(frames, max_header_size=max_header_size, max_message_size=max_message_size,
+                           arrays=arrays).message
+
+
+@overload
+def decode_envelope(frames: Sequence[Any], *, max_header_size: int = ..., max_message_size: int = ...,
+                    arrays: Literal["torch"] = ...) -> Decoded[torch.Tensor]: ...
+
+
+@overload
+def decode_envelope(frames: Sequence[Any], *, max_header_size: int = ..., max_message_size: int = ...,
+                    arrays: Literal["numpy"]) -> Decoded[np.ndarray]: ...
 
 
 def decode_envelope(
@@ -302,8 +574,20 @@ def decode_envelope(
     *,
     max_header_size: int = DEFAULT_MAX_HEADER_SIZE,
     max_message_size: int = DEFAULT_MAX_MESSAGE_SIZE,
-) -> Decoded:
+    arrays: Arrays = "torch",
+) -> Decoded[torch.Tensor] | Decoded[np.ndarray]:
     """Like :func:`decode`, and also return the publisher's numbering of the message."""
+    if arrays == "torch":
+        return _decode(frames, max_header_size, max_message_size, _tensor)
+    if arrays == "numpy":
+        return _decode(frames, max_header_size, max_message_size, _array)
+    raise ValueError(f"arrays: expected 'torch' or 'numpy', got {arrays!r}")
+
+
+def _decode(frames: Sequence[Any], max_header_size: int, max_message_size: int,
+            build: Callable[[str, str, str, tuple[int, ...], Any, memoryview], A]) -> Decoded[A]:
+    """:func:`decode_envelope` with ``build`` making each tensor from its checked spec, its frame
+    and a byte view of that frame."""
     if len(frames) < 2:
         raise _fail("missing frames", f"expected at least 2 frames (topic, header), got {len(frames)}")
     views = [memoryview(f).cast("B") for f in frames]
@@ -335,7 +619,7 @@ def decode_envelope(
     if sorted(s[3] for s in specs) != list(range(len(specs))):
         raise _fail("header", f"topic {topic!r}: frame indices {[s[3] for s in specs]} are not "
                               f"each of 0..{len(specs) - 1} once")
-    tensors = {(i < len(own_specs), name): _tensor(topic, name, dtype, shape, frames[2 + f], payload[f])
+    tensors = {(i < len(own_specs), name): build(topic, name, dtype, shape, frames[2 + f], payload[f])
                for i, (name, dtype, shape, f) in enumerate(specs)}
     own = {name: t for (is_own, name), t in tensors.items() if is_own}
     fields = {name: t for (is_own, name), t in tensors.items() if not is_own}
@@ -415,18 +699,44 @@ def _specs(topic: str, head: dict[str, Any], key: str,
     return out
 
 
-def _tensor(topic: str, name: str, dtype_name: str, shape: tuple[int, ...], frame: Any,
-            view: memoryview) -> torch.Tensor:
-    dtype = DTYPES[dtype_name]
-    itemsize = dtype.itemsize
-    expected = math.prod(shape) * itemsize
+def _check_frame(topic: str, name: str, dtype_name: str, shape: tuple[int, ...], view: memoryview) -> int:
+    """The bytes of a tensor of ``dtype_name`` and ``shape``, once checked against its frame.
+
+    Raises:
+        WireFormatError: (``"shape"``) the frame has another size; (``"value"``) a bool frame
+            holds bytes other than 0 and 1.
+    """
+    expected = math.prod(shape) * NUMPY_DTYPES[dtype_name].itemsize
     if expected != view.nbytes:
         raise _fail("shape", f"topic {topic!r} tensor {name!r}: shape {list(shape)} of {dtype_name} "
                              f"needs {expected} bytes, frame has {view.nbytes}")
-    if expected == 0:
-        return torch.empty(shape, dtype=dtype)
-    if dtype == torch.bool and int(np.frombuffer(view, dtype=np.uint8).max()) > 1:
+    if expected and dtype_name == "bool" and int(np.frombuffer(view, dtype=np.uint8).max()) > 1:
         raise _fail("value", f"topic {topic!r} tensor {name!r}: bool frame holds bytes other than 0 and 1")
+    return expected
+
+
+def _array(topic: str, name: str, dtype_name: str, shape: tuple[int, ...], frame: Any,
+           view: memoryview) -> np.ndarray:
+    """A numpy array over ``view`` (``frame``'s bytes), see :func:`decode`."""
+    dtype = NUMPY_DTYPES[dtype_name]
+    if _check_frame(topic, name, dtype_name, shape, view) == 0:
+        array = np.empty(shape, dtype)
+    else:
+        array = np.frombuffer(view, dtype=dtype).reshape(shape)
+        if array.ctypes.data % dtype.itemsize:  # tiny frames may sit unaligned inside the message
+            array = array.copy()
+    return array.view(BFloat16Bits) if dtype_name == "bfloat16" else array
+
+
+def _tensor(topic: str, name: str, dtype_name: str, shape: tuple[int, ...], frame: Any,
+            view: memoryview) -> torch.Tensor:
+    """A torch tensor over ``frame`` (or a copy of ``view`` when it is read-only)."""
+    import torch
+
+    dtype = DTYPES[dtype_name]
+    itemsize = dtype.itemsize
+    if _check_frame(topic, name, dtype_name, shape, view) == 0:
+        return torch.empty(shape, dtype=dtype)
     source: Any = frame if not view.readonly else bytearray(view)
     # One torch call per tensor (two for bfloat16): each releases the GIL, and taking it back
     # from the daemon's writer threads can cost up to a switch interval.

@@ -7,12 +7,14 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Sequence
+from collections import Counter
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from types import TracebackType
-from typing import Any, Final, Literal
+from types import MappingProxyType, TracebackType
+from typing import TYPE_CHECKING, Any, Final, Literal
 
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from .errors import (
     BrokerClosedError,
@@ -25,10 +27,13 @@ from .errors import (
 )
 from .messages import TOPIC_RUN_END, Message, RunEnd, RunStart
 from .security import CurveClient, CurveServer, attach
-from .staging import Layout, Slot, Staged, StagingRing
-from .wire import SUBSCRIBER_ACK, SUBSCRIBER_HELLO, encode_header, message_tensors, tensor_spec
+from .wire import SUBSCRIBER_ACK, SUBSCRIBER_HELLO, HeaderCache, message_tensors
 
-__all__ = ["DEFAULT_ENDPOINT", "Policy", "PublisherStatistics", "ZmqPublisher", "hello_subscription"]
+if TYPE_CHECKING:  # staging imports torch: only publishing needs it (subscribers import this module)
+    from .staging import Layout, Slot, Staged
+
+__all__ = ["DEFAULT_ENDPOINT", "HandshakeWatch", "Policy", "PublisherStatistics", "ZmqPublisher", "handshake_cause",
+           "hello_subscription"]
 
 _log = logging.getLogger("worldtap.broker.zmq")
 
@@ -36,9 +41,105 @@ DEFAULT_ENDPOINT: Final = "tcp://127.0.0.1:5555"
 """Loopback only: reaching other hosts is an explicit choice (and wants CURVE)."""
 Policy = Literal["block", "drop"]
 _IDLE_POLL: Final = 0.005
+# Frames below this many bytes are copied by ZeroMQ in the sender thread (without the GIL);
+# larger ones go zero-copy out of the staging slot. A zero-copy frame costs a round trip through
+# pyzmq's garbage-collector thread, which takes the GIL from the simulation thread: dearer than
+# copying a frame of up to a few hundred kilobytes (pyzmq's default threshold is 64 kB).
+_COPY_THRESHOLD: Final = 1 << 18
 _RESEND_INTERVAL: Final = 1.0  # seconds between re-sends of unconfirmed RunEnds while closing
 _MAX_PENDING_ENDS: Final = 1024  # unconfirmed RunEnds kept for subscribers that may re-join
 _TOPIC_RUN_END: Final = TOPIC_RUN_END.encode()
+HANDSHAKE_FAILED: Final = (zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                           | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
+"""The ZeroMQ monitor events of a failed handshake (CURVE keys that do not match)."""
+
+
+def handshake_cause(event: int, value: int, *, server: bool, peer: str = "subscriber",
+                    me: str = "publisher") -> str:
+    """The likely cause of a failed ZeroMQ handshake, in words.
+
+    Args:
+        event: The monitor event (one of :data:`HANDSHAKE_FAILED`).
+        value: The event's value (a ZAP status code or a ``zmq.PROTOCOL_ERROR_*`` code).
+        server: Whether the socket that saw it is the binding, CURVE-server side (a publisher,
+            a proxy; or such a side in plain text); ``False`` for a subscriber (CURVE client).
+        peer, me: What the server side's peers are and what it is, in its messages
+            (a proxy's frontend: ``peer="publisher", me="proxy"``).
+    """
+    if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+        return (f"a {peer}'s key is not on the allow-list" if server else
+                "the publisher refused this key: is its public key on the publisher's allow-list?")
+    if value == zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH:
+        return (f"a {peer} uses CURVE and this {me} does not, or the reverse" if server else
+                "the publisher uses CURVE and this subscriber does not, or the reverse")
+    if server and value == zmq.PROTOCOL_ERROR_ZMTP_CRYPTOGRAPHIC:
+        return f"a {peer} has the wrong server public key"
+    if event == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL:
+        return ("a peer dropped the connection during the handshake" if server else
+                "the publisher dropped the handshake: is the server public key the publisher's, this "
+                "key on its allow-list, and CURVE used on both sides?")
+    return f"the handshake failed (ZeroMQ event {event:#x}, code {value:#x})"
+
+
+class HandshakeWatch:
+    """Counts a socket's failed handshakes by likely cause (:func:`handshake_cause`), read from
+    its ZeroMQ monitor on a thread of its own; the first failure of each cause is logged as a
+    warning. Create it before the socket binds or connects, :meth:`stop` it before the socket's
+    context is terminated.
+
+    Args:
+        sock: The socket to watch.
+        server, peer, me: As :func:`handshake_cause`'s.
+        owner: Names the socket in log lines.
+    """
+
+    def __init__(self, sock: zmq.Socket[Any], *, server: bool, owner: str, peer: str = "subscriber",
+                 me: str = "publisher") -> None:
+        self.server, self.owner, self._words = server, owner, {"peer": peer, "me": me}
+        self._monitor: zmq.Socket[Any] = sock.get_monitor_socket(HANDSHAKE_FAILED | zmq.EVENT_MONITOR_STOPPED)
+        self._lock = threading.Lock()
+        self._causes: Counter[str] = Counter()
+        self._running = threading.Event()
+        self._running.set()
+        self._thread = threading.Thread(target=self._run, name=f"worldtap-zmq-monitor-{owner}", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        monitor = self._monitor
+        try:
+            while self._running.is_set():
+                if not monitor.poll(50):
+                    continue
+                event: Any = recv_monitor_message(monitor)
+                if event["event"] == zmq.EVENT_MONITOR_STOPPED:
+                    return
+                cause = handshake_cause(event["event"], event["value"], server=self.server, **self._words)
+                with self._lock:
+                    self._causes[cause] += 1
+                    first = self._causes[cause] == 1
+                (_log.warning if first else _log.debug)(
+                    "%s: a handshake on %s failed: %s", self.owner,
+                    bytes(event["endpoint"]).decode(errors="replace"), cause)
+        except zmq.ZMQError:  # the context is being destroyed
+            return
+        finally:
+            monitor.close(linger=0)
+
+    def causes(self) -> dict[str, int]:
+        """Likely cause -> failed handshakes, so far."""
+        with self._lock:
+            return dict(self._causes)
+
+    def describe(self) -> str:
+        """``"; N CURVE handshake(s) failed (cause)"`` per cause, or ``""``: the tail of an
+        error message that would otherwise only say who did not join."""
+        return "".join(f"; {count} CURVE handshake(s) failed ({cause})"
+                       for cause, count in sorted(self.causes().items()))
+
+    def stop(self) -> None:
+        """Stop watching and close the monitor socket. Idempotent."""
+        self._running.clear()
+        self._thread.join(5.0)
 
 
 def hello_subscription(subscriber: str, max_message_size: int) -> bytes:
@@ -78,6 +179,9 @@ class PublisherStatistics:
         resent_run_ends: ``RunEnd`` messages sent again to subscribers that had not confirmed
             them (after they re-joined, or while ``close()`` waits). Not in ``messages``.
         closed: Whether ``close()`` was called.
+        handshake_failures: Connections whose handshake failed (CURVE keys that do not match:
+            such a peer never joins).
+        handshake_causes: Their likely causes (:func:`handshake_cause`) -> count.
     """
 
     published: int
@@ -92,6 +196,8 @@ class PublisherStatistics:
     send_timeouts: int
     resent_run_ends: int
     closed: bool
+    handshake_failures: int = 0
+    handshake_causes: Mapping[str, int] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -211,9 +317,12 @@ class ZmqPublisher:
         # run -> topic -> next wire number; kept after RunEnd, so a run id used again by this
         # publisher continues its streams (subscribers reject numbers they have seen).
         self._numbers: dict[str, dict[str, int]] = {}
+        self._headers = HeaderCache()  # each message shape's header is encoded once
         self._runs: dict[str, tuple[RunStart | None, int, int]] = {}
         self._queue: collections.deque[Staged] = collections.deque()
         self._cond = threading.Condition()
+        from .staging import StagingRing
+
         self._ring = StagingRing(slots, self._cond)
         # Guarded by _cond: live subscribers (id -> announced max_message_size), every id ever
         # joined, RunEnds awaiting confirmation, and errors waiting to be raised.
@@ -233,6 +342,7 @@ class ZmqPublisher:
         self._ctx: zmq.Context[Any] = zmq.Context()
         self._auth = curve.start_authenticator(self._ctx) if isinstance(curve, CurveServer) else None
         self.endpoints: tuple[str, ...] = ()
+        self._handshakes: HandshakeWatch | None = None  # failed handshakes, by cause
         try:
             self._socket = self._open(requested, bind, curve, hwm, heartbeat)
         except BaseException:
@@ -257,8 +367,10 @@ class ZmqPublisher:
                         (zmq.HEARTBEAT_TIMEOUT, int(heartbeat * 1000))]
         for option, value in options:
             sock.setsockopt(option, value)
+        sock.copy_threshold = _COPY_THRESHOLD
         if curve is not None:
             curve.apply(sock)
+        self._handshakes = HandshakeWatch(sock, server=not isinstance(curve, CurveClient), owner=self.name)
         self.endpoints = attach(sock, endpoints, bind=bind, encrypted=curve is not None, owner=self.name)
         return sock
 
@@ -292,14 +404,11 @@ class ZmqPublisher:
     def _forward(self, message: Message) -> None:
         topic, run = message.topic, message.run
         own, fields = message_tensors(message)
-        own_specs = [tensor_spec(topic, n, t) for n, t in own]
-        field_specs = [tensor_spec(topic, n, t) for n, t in fields]
         counters = self._numbers.setdefault(run, {})
         number = counters.get(topic, 0)
         streams = ({t: c for t, c in counters.items() if t != TOPIC_RUN_END}
                    if isinstance(message, RunEnd) else None)
-        header = encode_header(message, own_specs, field_specs, publisher=self.id, number=number,
-                               streams=streams)
+        header = self._headers.header(message, own, fields, publisher=self.id, number=number, streams=streams)
         # From here on the message has a wire number: it is sent, dropped or failed, and counted.
         counters[topic] = number + 1
         self._published += 1
@@ -332,6 +441,8 @@ class ZmqPublisher:
                 self._ring.release(slot, None)
                 self._failed_here += 1
                 raise
+        from .staging import Staged
+
         item = Staged(topic.encode(), run, header, slot, layout, event, control)
         with self._cond:
             if self._done:  # the sender thread has stopped: nobody would send it
@@ -527,16 +638,13 @@ class ZmqPublisher:
         if slot is not None:
             if item.event is not None:
                 item.event.synchronize()
-            # Frames at or above pyzmq's copy threshold go zero-copy out of the slot; ZeroMQ
+            # Frames at or above the copy threshold go zero-copy out of the slot; ZeroMQ
             # releases the parts of a message in order, so tracking the last one covers all.
-            threshold = sock.copy_threshold
-            last = max((i for i, (_, nb) in enumerate(item.layout) if nb >= threshold), default=-1)
-            for i, (off, nb) in enumerate(item.layout):
-                frame: Any = slot.frame(off, nb)
-                if i == last:
-                    frame = zmq.Frame(frame, track=True)
-                    trackers.append(frame)
-                frames.append(frame)
+            frames += slot.frames(item.layout)
+            last = max((i for i, (_, nb) in enumerate(item.layout) if nb >= _COPY_THRESHOLD), default=-1)
+            if last >= 0:
+                frames[2 + last] = zmq.Frame(frames[2 + last], track=True)
+                trackers.append(frames[2 + last])
         blocking = self.policy == "block" or item.control
         if self._closing and blocking:
             sock.setsockopt(zmq.SNDTIMEO, max(int((self._close_deadline - time.monotonic()) * 1000), 0))
@@ -572,16 +680,20 @@ class ZmqPublisher:
         Subscribers that have gone away do not count.
 
         Raises:
-            SubscriberTimeoutError: Fewer than ``n`` were joined within ``timeout`` seconds.
+            SubscriberTimeoutError: Fewer than ``n`` were joined within ``timeout`` seconds; the
+                message counts the handshakes that failed meanwhile, by likely cause (a
+                subscriber whose key is not on the allow-list never joins).
         """
         deadline = time.monotonic() + timeout
         with self._cond:
             while len(self._subscribers) < n:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0 or self._done:
+                    failed = self._handshakes.describe() if self._handshakes is not None else ""
                     raise SubscriberTimeoutError(
                         f"wait_for_subscribers: expected {n} subscriber(s) on "
-                        f"{', '.join(self.endpoints)} within {timeout} s, {len(self._subscribers)} joined")
+                        f"{', '.join(self.endpoints)} within {timeout} s, {len(self._subscribers)} "
+                        f"joined{failed}")
                 self._cond.wait(min(remaining, 0.05))
 
     def flush(self, timeout: float | None = None) -> bool:
@@ -609,12 +721,14 @@ class ZmqPublisher:
         """A frozen snapshot of the counters."""
         with self._cond:
             queued, subscribers = len(self._queue), len(self._subscribers)
+        handshakes = self._handshakes.causes() if self._handshakes is not None else {}
         return PublisherStatistics(
             published=self._published, messages=self._sent, bytes=self._bytes,
             drops=self._ring_drops + self._send_drops, failed=self._failed_here + self._failed_sender,
             oversized=self._oversized, peak_queue=self._peak, queued=queued, subscribers=subscribers,
             send_timeouts=self._ring_timeouts + self._timeouts, resent_run_ends=self._resent,
-            closed=self._closed)
+            closed=self._closed, handshake_failures=sum(handshakes.values()),
+            handshake_causes=MappingProxyType(handshakes))
 
     def close(self, timeout: float | None = None) -> None:
         """Deliver everything already published, send ``RunEnd`` for every run that has not sent
@@ -678,6 +792,8 @@ class ZmqPublisher:
         return TransportError(summary)
 
     def _teardown(self, linger: int | None) -> None:
+        if self._handshakes is not None:
+            self._handshakes.stop()
         if self._auth is not None:
             self._auth.stop()
             self._auth = None

@@ -10,23 +10,27 @@ import threading
 import time
 import uuid
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import MappingProxyType, TracebackType
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final, Generic, cast
 
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from .errors import BrokerClosedError, WireFormatError, translate_zmq_errors
-from .messages import TOPIC_RUN_END, Message, RunEnd
+from .messages import TOPIC_RUN_END, A, MessageOf, RunEnd
 from .security import CurveClient, attach
 from .wire import (
     DEFAULT_MAX_HEADER_SIZE,
     DEFAULT_MAX_MESSAGE_SIZE,
     SUBSCRIBER_ACK,
+    Arrays,
     decode_envelope,
 )
-from .zmq_publisher import DEFAULT_ENDPOINT, hello_subscription
+from .zmq_publisher import DEFAULT_ENDPOINT, HANDSHAKE_FAILED, handshake_cause, hello_subscription
+
+if TYPE_CHECKING:
+    from .wire import Decoded
 
 __all__ = ["Gap", "Subscriber", "SubscriberStatistics"]
 
@@ -36,7 +40,7 @@ _ENDED_RUNS: Final = 4096  # ended (publisher, run) streams remembered, to rejec
 _RETRY_GRACE: Final = 0.5  # seconds ZeroMQ has to start reconnecting a dropped connection itself
 _ID: Final = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 _WATCHED: Final = (zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED | zmq.EVENT_CONNECT_DELAYED
-                   | zmq.EVENT_CONNECTED)
+                   | zmq.EVENT_CONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED | HANDSHAKE_FAILED)
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,6 +86,10 @@ class SubscriberStatistics:
             ``max_message_size``) and the subscriber connected again.
         publishers: Distinct publishers heard from.
         closed: Whether ``close()`` was called.
+        handshake_failures: Connections whose handshake failed (CURVE keys that do not match:
+            nothing is received over them).
+        failing_endpoints: Endpoint -> likely cause (:func:`broker.zmq_publisher.handshake_cause`),
+            for each endpoint whose latest handshake failed (one that succeeds later leaves it).
     """
 
     received: int
@@ -94,12 +102,15 @@ class SubscriberStatistics:
     reconnects: int
     publishers: int
     closed: bool
+    handshake_failures: int = 0
+    failing_endpoints: Mapping[str, str] = field(default_factory=dict)
 
 
-class Subscriber:
+class Subscriber(Generic[A]):
     """Receives, validates and decodes messages from publishers (SUB socket).
 
-    ``recv()`` returns broker messages whose tensors are CPU tensors over the received frames;
+    ``recv()`` returns broker messages whose tensors are CPU tensors over the received frames
+    (``arrays="numpy"``: numpy arrays, a ``Subscriber[np.ndarray]``, see :func:`broker.decode`);
     they belong to the caller. A malformed message is counted by reason and skipped, never
     raised. Every ``(publisher, run, topic)`` stream is numbered by its publisher, so a lost
     message comes back as a :class:`Gap` before the next message of its stream (and losses at a
@@ -157,6 +168,9 @@ class Subscriber:
         confirm_run_ends: Confirm each ``RunEnd`` on receipt (default), or only when the caller
             calls :meth:`confirm_run_end` (``False``: the publisher's ``close()`` waits, and a
             re-joining subscriber with the same ``id`` gets the ``RunEnd`` again).
+        arrays: ``"torch"`` (default): messages hold torch tensors. ``"numpy"``: numpy arrays
+            over the received frames (bfloat16 as :class:`broker.BFloat16Bits`), and torch is
+            never imported; annotate the subscriber as ``Subscriber[np.ndarray]``.
     """
 
     def __init__(
@@ -172,6 +186,7 @@ class Subscriber:
         heartbeat: float = 10.0,
         id: str | None = None,
         confirm_run_ends: bool = True,
+        arrays: Arrays = "torch",
     ) -> None:
         if isinstance(topics, str) or not all(isinstance(t, str) for t in topics):
             raise TypeError(f"topics: expected a sequence of str prefixes, got {topics!r}")
@@ -182,6 +197,9 @@ class Subscriber:
             raise ValueError(f"heartbeat: expected seconds in [0.1, 3600], got {heartbeat!r}")
         if id is not None and (not isinstance(id, str) or _ID.fullmatch(id) is None):
             raise ValueError(f"id: expected None or 1 to 64 characters of [A-Za-z0-9_.-], got {id!r}")
+        if arrays not in ("torch", "numpy"):
+            raise ValueError(f"arrays: expected 'torch' or 'numpy', got {arrays!r}")
+        self.arrays: Arrays = arrays
         self.id = uuid.uuid4().hex[:16] if id is None else id
         self.confirm_run_ends = bool(confirm_run_ends)
         self.topics = tuple(topics)
@@ -189,7 +207,7 @@ class Subscriber:
         self.max_header_size = max_header_size
         self._prefixes = tuple(t.encode() for t in self.topics)
         self._lock = threading.RLock()
-        self._pending: collections.deque[Message | Gap] = collections.deque()
+        self._pending: collections.deque[MessageOf[A] | Gap] = collections.deque()
         # (publisher, run) -> topic -> next expected wire number; ended runs move to _ended.
         self._next: dict[tuple[str, str], dict[str, int]] = {}
         self._ended: collections.OrderedDict[tuple[str, str], dict[str, int]] = collections.OrderedDict()
@@ -203,6 +221,8 @@ class Subscriber:
         self._connected = [] if bind else requested  # endpoints to connect again if ZeroMQ gives up
         self._dropped: dict[str, float] = {}  # monitor endpoint -> when to reconnect it ourselves
         self._seen: set[str] = set()  # endpoint names the monitor reported
+        self._handshakes = 0
+        self._failing: dict[str, str] = {}  # endpoint -> cause of its latest failed handshake
         self._monitor: zmq.Socket[Any] | None = None
         self._ctx: zmq.Context[Any] = zmq.Context()
         try:
@@ -228,8 +248,9 @@ class Subscriber:
         # subscriptions before it are in place (wait_for_subscribers relies on it).
         for prefix in (*self._prefixes, TOPIC_RUN_END.encode(), hello_subscription(self.id, self.max_message_size)):
             sock.setsockopt(zmq.SUBSCRIBE, prefix)
-        if not bind:  # ZeroMQ does not reconnect after a protocol error (an oversized frame)
-            self._monitor = sock.get_monitor_socket(_WATCHED)
+        # ZeroMQ does not reconnect after a protocol error (an oversized frame); failed
+        # handshakes are counted (bound or connected).
+        self._monitor = sock.get_monitor_socket(_WATCHED)
         try:
             self.endpoints = attach(sock, endpoints, bind=bind, encrypted=curve is not None, owner="Subscriber")
         except BaseException:
@@ -238,7 +259,7 @@ class Subscriber:
             raise
         return sock
 
-    def recv(self, timeout: float | None = None) -> Message | Gap | None:
+    def recv(self, timeout: float | None = None) -> MessageOf[A] | Gap | None:
         """The next message or gap, or ``None`` when nothing arrived within ``timeout`` seconds
         (``None``: wait until something arrives or the subscriber is closed).
 
@@ -290,12 +311,29 @@ class Subscriber:
         return frames
 
     def _watch(self, monitor: zmq.Socket[Any]) -> None:
-        """Connect again to an endpoint whose connection ZeroMQ dropped and does not retry."""
+        """Record handshakes that fail or succeed; connect again to an endpoint whose connection
+        ZeroMQ dropped and does not retry."""
         while int(monitor.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
             event: Any = recv_monitor_message(monitor, zmq.NOBLOCK)
             where = bytes(event["endpoint"]).decode(errors="replace")
+            kind = event["event"]
+            if kind & HANDSHAKE_FAILED:
+                cause = handshake_cause(kind, event["value"], server=False)
+                self._handshakes += 1
+                known = self._failing.get(where)
+                if known is not None and kind == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL:
+                    cause = known  # a retry that failed without detail: keep what is known
+                (_log.debug if known == cause else _log.warning)(
+                    "Subscriber: the handshake with %r failed: %s", where, cause)
+                self._failing[where] = cause
+                continue
+            if kind == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                self._failing.pop(where, None)
+                continue
+            if not self._connected:  # bound: nothing to connect again
+                continue
             self._seen.add(where)
-            if event["event"] == zmq.EVENT_DISCONNECTED:
+            if kind == zmq.EVENT_DISCONNECTED:
                 self._dropped[where] = time.monotonic() + _RETRY_GRACE
             else:  # ZeroMQ is connecting again itself
                 self._dropped.pop(where, None)
@@ -310,14 +348,17 @@ class Subscriber:
             targets = [ep for ep in self._connected if ep == where] or [
                 ep for ep in self._connected if ep not in self._seen]
             for ep in targets:
-                _log.warning("Subscriber: the connection to %r was dropped (a frame over "
-                             "max_message_size=%d?); connecting again", ep, self.max_message_size)
+                if where in self._failing:  # refused at the handshake: try again, quietly
+                    _log.debug("Subscriber: connecting again to %r after a failed handshake", ep)
+                else:
+                    _log.warning("Subscriber: the connection to %r was dropped (a frame over "
+                                 "max_message_size=%d?); connecting again", ep, self.max_message_size)
                 with contextlib.suppress(zmq.ZMQError):  # ZeroMQ may have forgotten it already
                     self._socket.disconnect(ep)
                 self._socket.connect(ep)
                 self._reconnects += 1
 
-    def __iter__(self) -> Iterator[Message | Gap]:
+    def __iter__(self) -> Iterator[MessageOf[A] | Gap]:
         """Messages and gaps as they arrive, until the subscriber is closed (from any thread)."""
         while True:
             try:
@@ -329,8 +370,9 @@ class Subscriber:
 
     def _handle(self, frames: list[Any]) -> None:
         try:
-            decoded = decode_envelope(frames, max_header_size=self.max_header_size,
-                                      max_message_size=self.max_message_size)
+            decoded = cast("Decoded[A]", decode_envelope(  # A is what self.arrays makes
+                frames, max_header_size=self.max_header_size, max_message_size=self.max_message_size,
+                arrays=self.arrays))
         except WireFormatError as exc:
             self._bad(exc)
             return
@@ -415,7 +457,9 @@ class Subscriber:
             received=self._received, bytes=self._bytes, bad_messages=sum(reasons.values()),
             bad_reasons=MappingProxyType(reasons), gaps=self._gaps, missing=self._missing,
             duplicates=self._duplicates, reconnects=self._reconnects,
-            publishers=len(self._publishers), closed=self._closed)
+            publishers=len(self._publishers), closed=self._closed,
+            handshake_failures=self._handshakes,
+            failing_endpoints=MappingProxyType(dict(self._failing)))
 
     def close(self) -> None:
         """Close the socket; messages not yet received are discarded. Safe from any thread
@@ -430,7 +474,7 @@ class Subscriber:
             self._socket.close(linger=0)
             self._ctx.term()
 
-    def __enter__(self) -> Subscriber:
+    def __enter__(self) -> Subscriber[A]:
         return self
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,

@@ -1,12 +1,15 @@
 """Live statistics: running per-field moments and episode outcomes, computed on the device.
 
-Each batch is reduced with a fixed number of tensor operations per dtype, whatever the number
-of fields: the fields of one dtype are concatenated into one reused ``[worlds, columns]`` buffer,
-whose columns are reduced once each for the minimum and the maximum, then shifted by the previous
-batch's mean and summed, and summed again squared. The shift keeps the sums those of values near
-zero, so that a large mean does not swamp a small variance; Chan et al.'s update merges each
-batch into float64 accumulators, whose running mean is kept as an offset from the shift. Nothing
-is read back to the host until :meth:`LiveStatistics.summary`.
+Each batch is reduced with a fixed number of tensor operations per dtype and block of rows,
+whatever the number of fields: the fields of one dtype are concatenated into one reused
+``[rows, columns]`` buffer (on the CPU a block of at most ``_BLOCK_ROWS`` rows at a time, small
+enough to stay in cache across the passes over it; elsewhere the whole batch), whose columns are
+reduced for the minimum and the maximum, then shifted and summed, and summed again squared. The
+results go to a row of a window; its rows share one shift and add up, and when it is full (or
+read) they are merged as one batch into float64 accumulators with Chan et al.'s update, and the
+shift moves to their mean. The shift keeps the sums those of values near the data, so that a
+large mean does not swamp a small variance; the running mean is kept as an offset from it.
+Nothing is read back to the host until :meth:`LiveStatistics.summary`.
 """
 
 from __future__ import annotations
@@ -25,10 +28,17 @@ __all__ = ["FieldStatistics", "LiveStatistics", "LiveSummary"]
 _INTEGERS = frozenset({torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
                        torch.uint16, torch.uint32, torch.uint64})
 
-_ROW_SPLIT = 256
-"""On the CPU, min and max reduce a ``[n, c]`` group as ``[n / k, k * c]`` and then ``[k, c]``
-(``k = gcd(n, 256, n // 16)`` when at least 16): a reduction over the outer dimension
-vectorizes along a wide inner one."""
+_BLOCK_ROWS = 1024
+"""On the CPU, the rows of a batch reduced together: a block of a few hundred KiB stays in a
+core's cache between the passes over it."""
+
+_WINDOW_ROWS = 64
+"""Blocks reduced about one shift before they are merged into the float64 accumulators."""
+
+_ROW_SPLIT = 16
+"""On the CPU, a block's minima and maxima are taken over ``[rows / 16, 16 * columns]`` (a
+reduction over the outer dimension vectorizes along a wide inner one); the 16 partial results
+per column are reduced when the window is merged."""
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -71,68 +81,135 @@ def _compute_dtype(key: str, dtype: torch.dtype) -> torch.dtype:
                     f"(leave it out with LiveStatistics(fields=...))")
 
 
-def _extremes(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Column minima and maxima of a contiguous ``[n, c]`` tensor (exact)."""
-    n, width = x.shape
-    k = math.gcd(n, _ROW_SPLIT, n // 16) if x.device.type == "cpu" else 1
-    if k < 16:
-        return x.amin(0), x.amax(0)
-    wide = x.view(n // k, k * width)
-    return wide.amin(0).view(k, width).amin(0), wide.amax(0).view(k, width).amax(0)
-
-
 class _Group:
-    """The fields of one dtype in a layout, reduced as one ``[n, width]`` buffer.
+    """The fields of one dtype in a layout, reduced as one ``[rows, width]`` buffer per block.
 
-    Each batch is shifted by ``shift`` (per column, in the compute dtype) before it is summed:
-    the first row seen, then the previous batch's mean. ``exact`` is ``shift`` in float64 and
-    ``offset`` the running mean minus ``exact`` (views of the plan's float64 tensors). Bool
-    columns are only counted: their sum is exact, their sum of squares the same, and min and max
-    follow from it (their shift stays zero).
+    Each block of rows is shifted by ``shift`` (per column, in the compute dtype) before it is
+    summed, and its column sums, sums of squares, minima and maxima fill one row of the window
+    (``sums``, ``lows``, ``highs``). The rows of a window share the shift, so they add up:
+    :meth:`totals` reduces them when the window is merged, and :meth:`reshift` then moves the
+    shift to the merged rows' mean (the first shift is the first row seen). ``exact`` is the
+    shift in float64 and ``offset`` the running mean minus ``exact`` (views of the plan's float64
+    tensors). Bool columns are only counted: their sum is exact, their sum of squares the same,
+    and min and max follow from it (they have no shift).
     """
 
-    __slots__ = ("buffer", "compute", "exact", "index", "offset", "shift", "work")
+    __slots__ = ("buffer", "compute", "exact", "filled", "highs", "index", "lows", "offset", "shift", "slots",
+                 "split", "sums", "work")
 
     def __init__(self, index: list[int], compute: torch.dtype, offset: torch.Tensor, exact: torch.Tensor) -> None:
         self.index = index
         self.compute = compute
         self.offset = offset
         self.exact = exact
-        self.buffer: torch.Tensor | None = None  # the concatenation, in the fields' dtype
+        self.buffer: torch.Tensor | None = None  # one block's concatenation, in the fields' dtype
         self.work: torch.Tensor | None = None    # its compute-dtype copy, when the dtypes differ
-        self.shift: torch.Tensor | None = None
+        self.shift: torch.Tensor | None = None  # repeated ``split`` times, for the wide view of a block
+        self.split = 1
+        # The window, a row per block: shifted sums and sums of squares [rows, 2, width], and
+        # minima and maxima of ``split`` groups of the block's rows [rows, split * width].
+        self.sums = self.lows = self.highs = torch.empty(0)
+        self.slots: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        self.filled = 0
 
-    def sums(self, tensors: Sequence[torch.Tensor], n: int) -> list[torch.Tensor]:
-        """Per column: the sum of the batch minus ``shift``, the sum of its squares, min, max."""
-        parts = [tensors[i] for i in self.index]
-        parts = [t if t.dim() == 2 else t.reshape(n, -1) for t in parts]
+    def rows(self, first: torch.Tensor, n: int) -> int:
+        """The rows of a block: ``_BLOCK_ROWS`` on the CPU, the whole batch on other devices."""
+        return min(n, _BLOCK_ROWS) if first.device.type == "cpu" and first.dtype != torch.bool else n
+
+    def fits(self, tensors: Sequence[torch.Tensor], n: int) -> bool:
+        """Whether the window has a row for each block of a batch of ``n`` rows."""
+        return not self.filled or self.filled + -(-n // self.rows(tensors[self.index[0]], n)) <= len(self.slots)
+
+    def reduce(self, tensors: Sequence[torch.Tensor], n: int) -> None:
+        """Reduce a batch into the next rows of the window (which :meth:`fits` it)."""
+        parts = [tensors[i] if tensors[i].dim() == 2 else tensors[i].reshape(n, -1) for i in self.index]
+        first = parts[0]
+        rows = self.rows(first, n)
+        blocks = -(-n // rows)
+        if self.buffer is None or self.buffer.shape[0] < rows:
+            self._allocate(first, rows)
+        if len(self.slots) < self.filled + blocks:
+            self._window(max(_WINDOW_ROWS, blocks))
+        row = self.filled
+        self.filled += blocks
+        assert self.buffer is not None
+        if first.dtype == torch.bool:
+            x = torch.cat(parts, dim=1, out=self.buffer[:n])
+            torch.sum(x, 0, dtype=self.compute, out=self.slots[row][0])
+        elif blocks == 1:
+            self._block(parts, self.slots[row])
+        else:
+            for j, block in enumerate(zip(*(torch.split(t, rows) for t in parts), strict=True)):
+                self._block(block, self.slots[row + j])
+
+    def _allocate(self, first: torch.Tensor, rows: int) -> None:
         width = self.offset.shape[0]
-        if self.buffer is None or self.buffer.shape[0] < n:
-            first = parts[0]
-            self.buffer = torch.empty(n, width, dtype=first.dtype, device=first.device)
-            if first.dtype not in (self.compute, torch.bool):
-                self.work = torch.empty(n, width, dtype=self.compute, device=first.device)
-        x = torch.cat(parts, dim=1, out=self.buffer[:n])
-        if x.dtype == torch.bool:
-            count = x.sum(0, dtype=self.compute)
-            return [count, count, (count - (n - 1)).clamp_(min=0), count.clamp(max=1)]
+        self.buffer = torch.empty(rows, width, dtype=first.dtype, device=first.device)
+        if first.dtype not in (self.compute, torch.bool):
+            self.work = torch.empty(rows, width, dtype=self.compute, device=first.device)
+        self.split = _ROW_SPLIT if first.device.type == "cpu" and first.dtype != torch.bool else 1
+
+    def _window(self, rows: int) -> None:
+        assert self.buffer is not None
+        width, dtype, device = self.offset.shape[0], self.compute, self.buffer.device
+        self.sums = torch.empty(rows, 2, width, dtype=dtype, device=device)
+        self.lows = torch.empty(rows, self.split * width, dtype=dtype, device=device)
+        self.highs = torch.empty(rows, self.split * width, dtype=dtype, device=device)
+        self.slots = [(s1, s2, lo, hi) for (s1, s2), lo, hi in zip(self.sums, self.lows, self.highs, strict=True)]
+
+    def _block(self, parts: list[torch.Tensor] | tuple[torch.Tensor, ...],
+               out: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]) -> None:
+        """Reduce the same rows of every field into a row of the window: the sums minus
+        ``shift``, the sums of squares, and the minima and maxima of each of ``split`` groups
+        of the rows (on the CPU, a reduction over the outer dimension vectorizes along a wide
+        inner one)."""
+        assert self.buffer is not None
+        s1, s2, lo, hi = out
+        rows, width = parts[0].shape[0], self.buffer.shape[1]
+        x = torch.cat(parts, dim=1, out=self.buffer if rows == self.buffer.shape[0] else self.buffer[:rows])
         if self.work is not None:
-            x = self.work[:n].copy_(x)
-        lo, hi = _extremes(x)
+            x = self.work[:rows].copy_(x)
+        wide = x.view(rows // self.split, self.split * width) if rows % self.split == 0 else None
+        if self.split == 1:
+            torch.aminmax(x, dim=0, out=(lo, hi))
+        elif wide is not None:
+            torch.amin(wide, 0, out=lo)
+            torch.amax(wide, 0, out=hi)
+        else:
+            lo.view(self.split, width).copy_(x.amin(0))
+            hi.view(self.split, width).copy_(x.amax(0))
         if self.shift is None:
-            self.shift = x[0].clone()
-            self.exact.copy_(self.shift)
-        s1 = x.sub_(self.shift).sum(0)
-        s2 = x.square_().sum(0)
-        return [s1, s2, lo, hi]
+            self.shift = x[0].repeat(self.split)
+            self.exact.copy_(x[0])
+        if wide is not None:
+            wide.sub_(self.shift)
+        else:
+            x.sub_(self.shift[:width])
+        torch.sum(x, 0, out=s1)
+        torch.sum(x.square_(), 0, out=s2)
+
+    def totals(self, n: int) -> list[torch.Tensor]:
+        """The window's rows, ``n`` rows of fields in all, as one batch; and empty the window.
+
+        Returns:
+            Per column: the sum minus ``shift`` and the sum of squares (float64), min and max.
+        """
+        rows, self.filled = self.filled, 0
+        width = self.offset.shape[0]
+        if self.shift is None:  # bool columns
+            count = self.sums[:rows, 0].sum(0, dtype=torch.float64)
+            return [count, count, (count - (n - 1)).clamp_(min=0), count.clamp(max=1)]
+        s1, s2 = self.sums[:rows].sum(0, dtype=torch.float64)
+        return [s1, s2, self.lows[:rows].view(-1, width).amin(0), self.highs[:rows].view(-1, width).amax(0)]
 
     def reshift(self, s1: torch.Tensor, n: int) -> None:
-        """Move ``shift`` to the batch's mean (``s1``: its shifted sum) and ``offset`` by the
-        old shift minus the new (exact in float64), which keeps the running mean."""
+        """Move ``shift`` to the merged rows' mean (``s1``: their shifted sum) and ``offset`` by
+        the old shift minus the new (exact in float64), which keeps the running mean."""
         if self.shift is not None:  # None for bool columns
-            self.shift.add_(s1, alpha=1 / n)
-            self.offset.add_(self.exact.sub_(self.shift))
-            self.exact.copy_(self.shift)
+            width = self.offset.shape[0]
+            self.shift.view(-1, width).add_(s1, alpha=1 / n)
+            self.offset.add_(self.exact.sub_(self.shift[:width]))
+            self.exact.copy_(self.shift[:width])
 
 
 class _Plan:
@@ -140,10 +217,11 @@ class _Plan:
 
     The accumulator ``acc`` is ``[4, columns]`` float64 on the fields' device: the running mean
     minus ``exact`` (each column's current shift), the sum of squared deviations (M2), min and
-    max. Each field owns a range of columns, each dtype a group of them.
+    max. Each field owns a range of columns, each dtype a group of them. The ``pending`` rows in
+    the groups' windows are merged into ``acc`` when a window is full and before it is read.
     """
 
-    __slots__ = ("acc", "batch", "columns", "count", "exact", "groups", "rows", "stage")
+    __slots__ = ("acc", "batch", "columns", "count", "exact", "groups", "pending", "rows")
 
     def __init__(self, keys: list[str], tensors: Sequence[torch.Tensor]) -> None:
         by_dtype: dict[torch.dtype, list[int]] = {}
@@ -167,6 +245,7 @@ class _Plan:
                         for i, (key, t) in enumerate(zip(keys, tensors, strict=True))}
         device, f64 = tensors[0].device, torch.float64
         self.count = 0
+        self.pending = 0
         self.acc = torch.zeros(4, start, dtype=f64, device=device)
         self.acc[2].fill_(math.inf)
         self.acc[3].fill_(-math.inf)
@@ -176,25 +255,31 @@ class _Plan:
         ends = [a for _, _, a in spans[1:]] + [start]
         self.groups = [_Group(index, compute, self.acc[0, a:b], self.exact[a:b])
                        for (compute, index, a), b in zip(spans, ends, strict=True)]
-        # The groups' sums are concatenated in their common dtype (a cat that converts is slow).
-        common = torch.float64 if any(g.compute == f64 for g in self.groups) else torch.float32
-        self.stage = self.batch.view(-1) if common == f64 else torch.empty(4 * start, dtype=common, device=device)
 
     def update(self, tensors: Sequence[torch.Tensor], n: int) -> None:
-        """Fold one batch of ``n`` rows into the accumulators (no host synchronization).
+        """Reduce one batch of ``n`` rows into the groups' windows (no host synchronization)."""
+        if not all(g.fits(tensors, n) for g in self.groups):
+            self.merge()
+        for g in self.groups:
+            g.reduce(tensors, n)
+        if self.groups:
+            self.pending += n
+        else:  # every field has zero elements per world
+            self.count += n
+
+    def merge(self) -> None:
+        """Fold the windows' pending rows into the accumulators, as one batch of ``n`` rows.
 
         With ``delta`` the batch mean minus the running mean, the mean moves by
         ``delta * n / total`` and M2 grows by the batch's M2 plus ``delta**2 * count * n / total``
         (Chan et al.); the batch's M2 is ``s2 - s1**2 / n`` of its shifted sums.
         """
-        total = self.count + n
-        if not self.groups:  # every field has zero elements per world
-            self.count = total
+        n = self.pending
+        if not n:
             return
-        sums = [g.sums(tensors, n) for g in self.groups]
-        torch.cat([s[r] for r in range(4) for s in sums], out=self.stage)
-        if self.stage.dtype != torch.float64:
-            self.batch.view(-1).copy_(self.stage)
+        total = self.count + n
+        sums = [g.totals(n) for g in self.groups]
+        torch.cat([s[r] for r in range(4) for s in sums], out=self.batch.view(-1))
         (offset, m2, lo, hi), (mean, batch_m2, batch_lo, batch_hi) = self.rows
         mean.div_(n)  # the batch mean minus the shift
         batch_m2.addcmul_(mean, mean, value=-n)
@@ -203,12 +288,13 @@ class _Plan:
         m2.add_(batch_m2).addcmul_(delta, delta, value=self.count * n / total)
         torch.minimum(lo, batch_lo, out=lo)
         torch.maximum(hi, batch_hi, out=hi)
-        self.count = total
+        self.count, self.pending = total, 0
         for g, s in zip(self.groups, sums, strict=True):
             g.reshift(s[0], n)
 
     def host(self) -> dict[str, _HostMoments]:
-        """Every field's moments, read back to the host in one transfer."""
+        """Every field's moments, read back to the host in one transfer (after :meth:`merge`)."""
+        self.merge()
         acc = torch.cat([self.acc, self.exact[None]]).cpu().numpy()
         out = {}
         for key, (start, width, shape) in self.columns.items():
@@ -245,12 +331,12 @@ class LiveStatistics:
     count and success rate: the model of a live consumer that copies only what it needs.
 
     Nothing of a published tensor is kept: each batch is reduced on its own device, with a fixed
-    number of tensor operations per dtype whatever the number of fields and without waiting for
-    the device, into float64 accumulators, so the memory is independent of run length. Bool,
-    float16, bfloat16 and 8- and 16-bit integer fields are reduced in float32, float64 and wider
-    integer fields in float64; each batch is shifted by the previous batch's mean before it is
-    summed, so a mean far from zero does not cost the variance its precision. Min and max are
-    exact. ``summary()`` reads the accumulators back to the host.
+    number of tensor operations per dtype (and, on the CPU, per block of rows) whatever the
+    number of fields and without waiting for the device, into float64 accumulators, so the memory
+    is independent of run length. Bool, float16, bfloat16 and 8- and 16-bit integer fields are
+    reduced in float32, float64 and wider integer fields in float64; batches are shifted by a
+    recent mean before they are summed, so a mean far from zero does not cost the variance its
+    precision. Min and max are exact. ``summary()`` reads the accumulators back to the host.
 
     Args:
         fields: Only these ``"<term>/<field>"`` names (all when ``None``).

@@ -1,31 +1,29 @@
-"""Arrays the run writer extends at their end, always a whole chunk at a time.
+"""Arrays the run writer extends at their end, a whole chunk at a time.
 
 Appending with ``zarr.Array.append`` rewrites the array's metadata on every call and, when
 the old end is inside a chunk, reads that chunk back, decodes it, merges and re-encodes it;
 each chunk of a multi-chunk write is also copied into a fresh buffer first. A
-:class:`Column` avoids all three:
+:class:`Column` avoids all of it:
 
 - the array's shape is a *capacity* that grows geometrically (one metadata write per
-  doubling); :attr:`Column.rows` counts the rows written, and the run's ``committed`` counts
-  say which of them readers may see;
-- the rows of the last, partial chunk stay in memory (:attr:`Column.tail`), so every write
-  covers whole chunks and zarr never reads one back;
+  doubling); :attr:`Column.rows` counts the rows appended and :attr:`Column.stored` those in
+  the store; the run's ``committed`` counts say which of them readers may see;
+- the rows of the last, partial chunk stay in memory (:attr:`Column.tail`). An append writes
+  only the chunks it completes; the partial chunk is written (zero-padded to a whole chunk)
+  only when its rows must be in the store (``write_columns(..., flush=True)``: a commit that
+  counts them, or a caller that reads the array). A chunk is therefore written once when it
+  fills, plus once per commit that needs it before then, and zarr never reads one back;
 - a whole chunk of the caller's rows is encoded straight from them (a view, no copy);
-- where the array's codecs and store support zarr's synchronous protocols
-  (:class:`zarr.abc.codec.SupportsSyncCodec`, :class:`zarr.abc.store.SupportsSyncStore`: local
-  directories and memory stores with the built-in codecs), chunks are encoded and written by
-  a pool of plain threads that hold the GIL only briefly per chunk. zarr's asynchronous write
-  path costs about a millisecond of event-loop work per chunk, all of it holding the GIL that
-  the daemon's receiving thread needs. Other stores (fsspec URLs, sharded arrays) take
-  zarr's asynchronous path.
+- chunks go through :mod:`storage._zarr_io`: on local directories and memory stores, encoded
+  and written by a pool of plain threads that hold the GIL only briefly per chunk; elsewhere
+  (fsspec URLs, sharded arrays, another codec pipeline) with zarr's public ``__setitem__``.
 
-:meth:`Column.trim` cuts the shape back to the rows written, so a finished run's arrays have
-their exact length for plain zarr readers.
+:meth:`Column.trim` cuts the shape back to a number of stored rows, so a finished run's arrays
+have their exact length for plain zarr readers.
 """
 
 from __future__ import annotations
 
-import asyncio
 import os
 import threading
 from collections.abc import Sequence
@@ -34,90 +32,13 @@ from typing import Any
 
 import numpy as np
 import zarr
-from zarr.core.sync import sync
 
-try:  # zarr >= 3.1.6; where these move or are missing, every column takes the asynchronous path
-    from zarr.abc.codec import SupportsSyncCodec
-    from zarr.abc.store import SupportsDeleteSync, SupportsSetSync
-    from zarr.core.buffer import default_buffer_prototype
-    from zarr.core.codec_pipeline import BatchedCodecPipeline, fill_value_or_default
-    from zarr.core.metadata.v3 import ArrayV3Metadata
-except ImportError:  # pragma: no cover - depends on the installed zarr
-    SYNC_PATH = False
-else:
-    SYNC_PATH = True
+from ._zarr_io import ChunkEncoder, private_api, sync_path, write_rows
 
-__all__ = ["SYNC_PATH", "Column", "sync_path", "write_columns"]
+SYNC_PATH = private_api() is not None
+"""Whether this zarr has what the thread path needs (see :mod:`storage._zarr_io`)."""
 
-_CONCURRENCY = 8
-"""Chunk writes in flight at once on zarr's asynchronous path (each holds one chunk)."""
-
-
-class _ChunkEncoder:
-    """Encodes a whole chunk with the array's own codecs and writes it with the store's
-    synchronous ``set_sync``: what zarr's pipeline does for a complete chunk, without the
-    event loop. Build it with :meth:`of`, which says ``None`` where the array's codecs or
-    store lack the synchronous protocols."""
-
-    __slots__ = ("fill", "meta", "prefix", "proto", "skip_empty", "stages", "store")
-
-    def __init__(self, array: zarr.Array[Any], codecs: tuple[Any, ...]) -> None:
-        aa = array.async_array
-        self.meta = aa.metadata
-        self.proto = default_buffer_prototype()
-        spec = self.meta.get_chunk_spec((0,) * len(array.shape), aa.config, self.proto)
-        self.fill = fill_value_or_default(spec)
-        self.skip_empty = not aa.config.write_empty_chunks
-        self.stages: list[tuple[Any, Any]] = []
-        for codec in codecs:
-            self.stages.append((codec, spec))
-            spec = codec.resolve_metadata(spec)
-        self.store: Any = aa.store_path.store
-        self.prefix = f"{aa.store_path.path}/" if aa.store_path.path else ""
-
-    @classmethod
-    def of(cls, array: zarr.Array[Any]) -> _ChunkEncoder | None:
-        if not SYNC_PATH or not _sync_allowed:
-            return None
-        aa = array.async_array
-        pipeline = aa.codec_pipeline
-        store = aa.store_path.store
-        if not (isinstance(aa.metadata, ArrayV3Metadata) and array.shards is None
-                and isinstance(pipeline, BatchedCodecPipeline)
-                and isinstance(store, SupportsSetSync) and isinstance(store, SupportsDeleteSync)):
-            return None
-        codecs = (*pipeline.array_array_codecs, pipeline.array_bytes_codec,
-                  *pipeline.bytes_bytes_codecs)
-        if not all(isinstance(c, SupportsSyncCodec) for c in codecs):
-            return None
-        return cls(array, codecs)
-
-    def write(self, first: int, block: np.ndarray) -> None:
-        """Encode and store the chunk starting at row ``first`` (``block``: chunk-shaped)."""
-        coords = (first // block.shape[0],) + (0,) * (block.ndim - 1)
-        key = self.prefix + self.meta.encode_chunk_key(coords)
-        rows: Any = block
-        data: Any = self.proto.nd_buffer.from_ndarray_like(rows)
-        if self.skip_empty and data.all_equal(self.fill):
-            self.store.delete_sync(key)
-            return
-        for codec, spec in self.stages:
-            data = codec._encode_sync(data, spec)
-        out = data.as_numpy_array()
-        if np.may_share_memory(out, block):  # uncompressed: don't let a store keep our rows
-            data = self.proto.buffer.from_bytes(out.tobytes())
-        self.store.set_sync(key, data)
-
-
-_sync_allowed = True
-
-
-def sync_path(enabled: bool) -> None:
-    """Allow (default) or forbid the synchronous chunk path for columns made afterwards
-    (tests run the asynchronous fallback with it forbidden)."""
-    global _sync_allowed
-    _sync_allowed = enabled
-
+__all__ = ["SYNC_PATH", "Column", "flush_columns", "sync_path", "write_columns"]
 
 _pool_lock = threading.Lock()
 _pool: tuple[int, ThreadPoolExecutor] | None = None
@@ -150,18 +71,22 @@ class Column:
 
     Args:
         array: The zarr array; its shape along axis 0 may exceed ``rows`` (capacity).
-        rows: Rows already written (on resume: the committed count). The partial chunk
+        rows: Rows already in the store (on resume: the committed count). The partial chunk
             holding the last of them is read back once, here.
     """
 
-    __slots__ = ("array", "chunk", "encoder", "rows", "tail")
+    __slots__ = ("array", "chunk", "encoder", "rows", "stored", "tail")
 
     def __init__(self, array: zarr.Array[Any], rows: int) -> None:
         self.array = array
         self.chunk = int(array.chunks[0])
         self.rows = rows
+        self.stored = rows
+        """Rows in the store: the first :attr:`rows` but the tail's, or all of them once the
+        tail is written."""
         self.tail: np.ndarray | None = None
-        self.encoder = _ChunkEncoder.of(array)
+        """The rows after the last whole chunk (fewer than a chunk; ``None``: none)."""
+        self.encoder = ChunkEncoder.of(array)
         self._read_tail()
 
     def _read_tail(self) -> None:
@@ -172,36 +97,45 @@ class Column:
     def capacity(self) -> int:
         return int(self.array.shape[0])
 
-    def _plan(self, values: np.ndarray) -> tuple[list[tuple[int, np.ndarray]], np.ndarray | None]:
-        """The chunk writes ``(first row, chunk-shaped rows)`` that put ``values`` after the
-        written rows, and the tail afterwards."""
+    def _block(self, rows: np.ndarray) -> np.ndarray:
+        """``rows`` (fewer than a chunk) zero-padded to a whole chunk."""
+        block = np.zeros((self.chunk, *rows.shape[1:]), rows.dtype)
+        block[:len(rows)] = rows
+        return block
+
+    def _plan(self, values: np.ndarray, flush: bool) -> tuple[list[tuple[int, np.ndarray]], np.ndarray | None]:
+        """The writes ``(first row, whole chunks of rows)`` that put ``values`` after the rows
+        appended, and the tail afterwards. Only chunks the values complete are written, and
+        with ``flush`` the partial last chunk too, unless it is stored already."""
         array, c = self.array, self.chunk
         if values.shape[1:] != array.shape[1:] or values.dtype != array.dtype:
             raise ValueError(f"array {array.path!r}: expected rows of shape {array.shape[1:]} and "
                              f"dtype {array.dtype}, got {values.shape[1:]} {values.dtype}")
         n, start = len(values), self.rows
-        writes: list[tuple[int, np.ndarray]] = []
-        if not n:
-            return writes, self.tail
         values = np.ascontiguousarray(values)
-        head, used = start - start % c, start % c
-        pos = 0
-        if used:  # the partial chunk: its kept rows, then the first new ones
-            pos = min(n, c - used)
-            block = np.zeros((c, *values.shape[1:]), values.dtype)
-            block[:used] = self.tail
-            block[used:used + pos] = values[:pos]
-            writes.append((head, block))
-            head += c
-        while n - pos >= c:  # whole chunks: encoded from the caller's rows, no copy
-            writes.append((head, values[pos:pos + c]))
-            pos, head = pos + c, head + c
+        used = start % c
+        head, pos = start - used, 0
+        writes: list[tuple[int, np.ndarray]] = []
+        tail = self.tail
+        if used and n:
+            assert tail is not None  # the rows of the partial chunk
+            if used + n >= c:  # it fills: its kept rows, then the first new ones
+                pos = c - used
+                writes.append((head, np.concatenate([tail, values[:pos]])))
+                head, tail = head + c, None
+            else:  # it stays partial
+                tail, pos = np.concatenate([tail, values]), n
+        whole = (n - pos) // c * c
+        if whole:  # whole chunks: encoded from the caller's rows, no copy
+            writes.append((head, values[pos:pos + whole]))
+            pos, head = pos + whole, head + whole
         if pos < n:
-            block = np.zeros((c, *values.shape[1:]), values.dtype)
-            block[:n - pos] = values[pos:]
-            writes.append((head, block))
-        end = (start + n) % c
-        return writes, (writes[-1][1][:end] if end else None)
+            tail = values[pos:].copy()  # the caller reuses its buffer
+        end = start + n
+        if flush and end % c and self.stored < end:
+            assert tail is not None
+            writes.append((end - end % c, self._block(tail)))
+        return writes, tail
 
     def _reserve(self, rows: int) -> None:
         """Grow the capacity (a metadata write) to hold ``rows``, rounded to whole chunks."""
@@ -210,49 +144,70 @@ class Column:
             grown = -(-2 * self.capacity // self.chunk) * self.chunk
             self.array.resize((max(need, grown), *self.array.shape[1:]))
 
-    def trim(self) -> None:
-        """Cut the shape to the rows written (chunks past them are deleted)."""
-        if self.capacity != self.rows:
-            self.array.resize((self.rows, *self.array.shape[1:]))
+    def trim(self, rows: int) -> None:
+        """Cut the shape to the first ``rows`` rows, which must be in the store (chunks past
+        them are deleted); rows after them are forgotten, as :meth:`rewind` does.
+
+        Raises:
+            ValueError: ``rows`` exceeds :attr:`stored`.
+        """
+        if rows > self.stored:
+            raise ValueError(f"array {self.array.path!r}: rows: {rows} exceeds the {self.stored} "
+                             f"rows in the store")
+        self.rewind(rows)
+        if self.capacity != rows:
+            self.array.resize((rows, *self.array.shape[1:]))
 
     def rewind(self, rows: int) -> None:
-        """Forget rows written after the first ``rows`` (an interrupted commit's)."""
-        if rows < self.rows:
-            self.rows = rows
+        """Forget rows appended after the first ``rows`` (an interrupted commit's)."""
+        if rows >= self.rows:
+            return
+        first = self.rows - (len(self.tail) if self.tail is not None else 0)
+        if rows > first:
+            assert self.tail is not None
+            self.tail = self.tail[:rows - first]
+        self.rows, self.stored = rows, min(self.stored, rows)
+        if rows <= first:
             self._read_tail()
 
 
-def write_columns(items: Sequence[tuple[Column, np.ndarray]]) -> None:
+def _store(column: Column, first: int, rows: np.ndarray) -> None:
+    """Write whole chunks of ``rows`` from row ``first`` on (a pool thread): one chunk through
+    the column's encoder, or any run of chunks through zarr's public API."""
+    if column.encoder is None:
+        write_rows(column.array, first, rows)
+    else:
+        column.encoder.write(first, rows)
+
+
+def write_columns(items: Sequence[tuple[Column, np.ndarray]], *, flush: bool = True) -> None:
     """Append rows to several columns at once: their chunks are encoded and written
-    concurrently (data only: nothing here is a commit). A column's :attr:`Column.rows`
-    advances only once every write has succeeded."""
-    plans = [(col, *col._plan(values), len(values)) for col, values in items]
+    concurrently (data only: nothing here is a commit). With ``flush`` every row appended is
+    in the store when this returns (each partial last chunk is written unless it already
+    is); without it only the chunks the rows complete are written, and the rest waits in
+    :attr:`Column.tail`. A column's :attr:`Column.rows` and :attr:`Column.stored` advance only
+    once every write has succeeded."""
+    plans = [(col, *col._plan(values, flush), len(values)) for col, values in items]
     for col, _, _, n in plans:
         col._reserve(col.rows + n)
-
     pool = _threads()
-    futures: list[Future[None]] = [pool.submit(col.encoder.write, first, block)
-                                   for col, writes, _, _ in plans if col.encoder is not None
-                                   for first, block in writes]
-    slow = [(col.array, first, block) for col, writes, _, _ in plans if col.encoder is None
-            for first, block in writes]
-
-    async def _run() -> None:
-        gate = asyncio.Semaphore(_CONCURRENCY)
-
-        async def one(array: zarr.Array[Any], first: int, block: np.ndarray) -> None:
-            async with gate:
-                await array.async_array.setitem(slice(first, first + len(block)), block)
-
-        await asyncio.gather(*(one(*write) for write in slow))
-
-    try:
-        if slow:
-            sync(_run())
-    finally:
-        errors = [exc for f in futures if (exc := f.exception()) is not None]  # waits for all
+    futures: list[Future[None]] = []
+    for col, writes, _, _ in plans:
+        step = col.chunk if col.encoder is not None else None  # zarr spreads a run of chunks itself
+        for first, rows in writes:
+            futures.extend(pool.submit(_store, col, first + at, rows[at:at + (step or len(rows))])
+                           for at in range(0, len(rows), step or len(rows)))
+    errors = [exc for f in futures if (exc := f.exception()) is not None]  # waits for all
     if errors:
         raise errors[0]
     for col, _, tail, n in plans:
         col.rows += n
         col.tail = tail
+        col.stored = col.rows if flush or tail is None else max(col.stored, col.rows - len(tail))
+
+
+def flush_columns(columns: Sequence[Column]) -> None:
+    """Write the partial last chunks of ``columns`` that are not in the store yet
+    (concurrently), so every row appended to them is stored."""
+    write_columns([(c, np.empty((0, *c.array.shape[1:]), c.array.dtype)) for c in columns
+                   if c.stored < c.rows])

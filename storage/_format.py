@@ -14,7 +14,9 @@ import math
 import os
 import re
 import uuid
+import zlib
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final, Literal, TypeAlias
 
@@ -31,6 +33,7 @@ if TYPE_CHECKING:  # zarr's public config argument is typed with this TypedDict
     from zarr.core.array_spec import ArrayConfigParams
 
 __all__ = [
+    "ALL_RUNS",
     "APPEND_CONFIG",
     "CHUNK_KEYS",
     "EPISODE_COLUMNS",
@@ -45,16 +48,20 @@ __all__ = [
     "TABLE_CHUNK",
     "VAR_COLUMNS",
     "Compression",
+    "Partition",
     "StoreLocation",
     "codecs",
     "from_json",
+    "is_partial_file",
     "local_path",
     "name_of",
     "node_name",
     "numpy_dtype",
     "open_store",
     "remove_partial_files",
+    "root_metadata",
     "child_nodes",
+    "create_groups",
     "resize_tail",
     "to_json",
     "url_options",
@@ -167,6 +174,68 @@ def _unescape(node: str) -> str:
             out.extend(node[i].encode())
             i += 1
     return out.decode("utf-8", "surrogatepass")
+
+
+# -- partitions -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Partition:
+    """Partition ``index`` of ``count``: the runs one of ``count`` daemons on a store writes.
+
+    A run belongs to partition ``crc32(run id as UTF-8) % count``, the same in every process
+    and on every host (never Python's salted ``hash``); the sessions ``<run>#2``, ... of a run
+    id belong with it, since they share the id. ``Partition(0, 1)`` holds every run.
+
+    Raises:
+        ValueError: ``count`` is not a positive int or ``index`` not in ``[0, count)``.
+    """
+
+    index: int = 0
+    count: int = 1
+
+    def __post_init__(self) -> None:
+        for name, value in (("index", self.index), ("count", self.count)):
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ValueError(f"partition {name}: expected an int, got {value!r}")
+        if self.count < 1 or not 0 <= self.index < self.count:
+            raise ValueError(f"partition: expected K/N with 0 <= K < N, got "
+                             f"{self.index}/{self.count}")
+
+    @classmethod
+    def parse(cls, text: str) -> Partition:
+        """``"K/N"`` -> ``Partition(K, N)``.
+
+        Raises:
+            ValueError: ``text`` is not two integers ``K/N`` with ``0 <= K < N``.
+        """
+        index, slash, count = text.strip().partition("/")
+        if not slash or not index.isdigit() or not count.isdigit():
+            raise ValueError(f"partition: expected K/N (e.g. 0/3), got {text!r}")
+        return cls(int(index), int(count))
+
+    @property
+    def whole(self) -> bool:
+        """Whether this partition holds every run (``count == 1``)."""
+        return self.count == 1
+
+    def owns(self, run: str) -> bool:
+        """Whether run id ``run`` (the published id, not a session's stored name) is ours."""
+        if self.count == 1:
+            return True
+        return zlib.crc32(run.encode("utf-8", "surrogatepass")) % self.count == self.index
+
+    def owns_meta(self, meta: Mapping[str, Any]) -> bool:
+        """Whether the stored run with attributes ``meta`` is ours (by the id it was
+        published under: ``session_of``, else ``run``)."""
+        return self.owns(str(meta.get("session_of") or meta.get("run")))
+
+    def __str__(self) -> str:
+        return f"{self.index}/{self.count}"
+
+
+ALL_RUNS: Final = Partition()
+"""The partition of a daemon alone on its store: every run."""
 
 
 # -- JSON attributes -------------------------------------------------------------------------
@@ -367,6 +436,33 @@ def open_store(location: StoreLocation, *, fsync: bool = False, read_only: bool 
         raise StoreFormatError(f"cannot open store URL {url!r}: {exc}") from exc
 
 
+def root_metadata(attributes: Mapping[str, Any] | None = None) -> bytes:
+    """The ``zarr.json`` of a group with ``attributes``: the same attributes always give the
+    same bytes, the bytes zarr itself writes for such a group."""
+    from zarr.core.buffer import default_buffer_prototype
+    from zarr.core.group import GroupMetadata
+
+    meta = GroupMetadata(attributes=dict(attributes or {}))
+    return meta.to_buffer_dict(default_buffer_prototype())["zarr.json"].to_bytes()
+
+
+def create_groups(store: Store, groups: Mapping[str, Mapping[str, Any]]) -> None:
+    """Create each group (path -> attributes; ``""`` is the root) whose ``zarr.json`` is absent,
+    leaving present ones as they are. Safe when several processes do it at once: every writer
+    writes the same bytes (:func:`root_metadata`), and a local store creates the key without
+    replacing one that appeared meanwhile (the others compare, then write whole objects)."""
+    from zarr.core.buffer import default_buffer_prototype
+    from zarr.core.sync import sync
+
+    async def create() -> None:
+        prototype = default_buffer_prototype()
+        for path, attributes in groups.items():
+            key = f"{path}/zarr.json" if path else "zarr.json"
+            await store.set_if_not_exists(key, prototype.buffer.from_bytes(root_metadata(attributes)))
+
+    sync(create())
+
+
 def child_nodes(group: zarr.Group) -> list[str]:
     """Names of the nodes directly under ``group``, listed from the store without opening any
     of them (one unreadable member must not hide the others)."""
@@ -384,6 +480,12 @@ def child_nodes(group: zarr.Group) -> list[str]:
 
 _PARTIAL: Final = re.compile(r".+\.[0-9a-f]{32}\.partial")
 """Temporary files of zarr's atomic writes (``<name>.<uuid hex>.partial``) and of ours."""
+
+
+def is_partial_file(name: str) -> bool:
+    """Whether ``name`` is the temporary file of an atomic write (in flight, or left by a
+    crash)."""
+    return _PARTIAL.fullmatch(name) is not None
 
 
 def remove_partial_files(root: Path) -> int:

@@ -37,14 +37,15 @@ from collections.abc import Mapping
 from typing import Any, Literal, TypeAlias
 
 import numpy as np
-import torch
 
-from broker import Batch, EpisodeEnd, FieldSpec, RunEnd, RunStart, SchemaError, VariationSample
+from broker import Batch, BFloat16Bits, EpisodeEnd, FieldSpec, RunEnd, RunStart, SchemaError, VariationSample
 from broker.messages import RESERVED_OUTCOMES
+from broker.schema import dtype_name, is_tensor
 
 from ._format import HOOKS, to_json
 from .episode_buffers import DenseTopicBuffer, EpisodePacker, Segment, TopicBuffer
 from .errors import StorageError, StoreFormatError
+from .reader import _float32
 from .run_writer import RunWriter
 from .write_queue import RunWriteQueue
 
@@ -84,15 +85,17 @@ class RejectedMessage(StorageError, ValueError):
 
 
 def as_numpy(t: Any, what: str) -> np.ndarray:
-    """A host numpy view of a message tensor (bfloat16 as its 16 bits, see ``LAYOUT.md``).
+    """A host numpy view of a message tensor or array (bfloat16 as its 16 bits, see ``LAYOUT.md``).
 
     Raises:
-        RejectedMessage: ``t`` is not a tensor.
+        RejectedMessage: ``t`` is neither a torch tensor nor a numpy array.
     """
     if isinstance(t, np.ndarray):
-        return t
-    if not isinstance(t, torch.Tensor):
+        return t.view(np.ndarray) if isinstance(t, BFloat16Bits) else t
+    if not is_tensor(t):
         raise RejectedMessage("type", f"{what}: expected a tensor, got {type(t).__name__}")
+    import torch  # (imported already: t is a tensor)
+
     try:
         if t.device.type != "cpu":
             t = t.cpu()
@@ -117,7 +120,7 @@ def _spec_of(t: Any, values: np.ndarray, what: str, limit: int) -> FieldSpec:
     Raises:
         RejectedMessage: (``"shape"``) one world's row is larger than ``limit``.
     """
-    dtype = "bfloat16" if isinstance(t, torch.Tensor) and t.dtype == torch.bfloat16 else str(values.dtype)
+    dtype = "bfloat16" if dtype_name(t) == "bfloat16" else str(values.dtype)
     shape = tuple(int(d) for d in values.shape[1:])
     span = math.prod(max(d, 1) for d in shape) * values.dtype.itemsize
     if span > limit:
@@ -184,12 +187,12 @@ def run_fields(msg: RunStart | RunEnd) -> dict[str, Any]:
             ("started_at" if isinstance(msg, RunStart) else "ended_at"): when}
 
 
-def _outcomes(msg: EpisodeEnd, n: int) -> dict[str, np.ndarray]:
+def _outcomes(msg: EpisodeEnd[Any], n: int) -> dict[str, np.ndarray]:
     """The episode outcomes of ``msg`` as float64 arrays of ``n`` values each.
 
     Raises:
         RejectedMessage: (``"outcomes"``) not a mapping of non-empty, unreserved str names to
-            1-D bool, integer or float tensors of ``n`` values.
+            1-D bool, integer or float tensors (or numpy arrays) of ``n`` values.
     """
     outcomes = msg.outcomes
     if not isinstance(outcomes, Mapping):
@@ -200,18 +203,39 @@ def _outcomes(msg: EpisodeEnd, n: int) -> dict[str, np.ndarray]:
         if not isinstance(name, str) or not name or name in RESERVED_OUTCOMES:
             raise RejectedMessage("outcomes", f"episode/end outcome name {name!r:.80}: expected a "
                                               f"non-empty str not in {sorted(RESERVED_OUTCOMES)}")
-        if not isinstance(t, torch.Tensor) or t.dim() != 1 or t.shape[0] != n or t.is_complex() or \
+        if isinstance(t, np.ndarray):
+            out[name] = _numpy_outcome(name, t, n)
+            continue
+        if not is_tensor(t):
+            raise RejectedMessage("outcomes", f"episode/end outcome {name!r}: expected a 1-D bool, "
+                                              f"integer or float tensor of {n} values, got {type(t).__name__}")
+        import torch  # (imported already: t is a tensor)
+
+        if t.dim() != 1 or t.shape[0] != n or t.is_complex() or \
                 not (t.dtype == torch.bool or t.dtype.is_floating_point or not t.dtype.is_signed or
                      t.dtype in (torch.int8, torch.int16, torch.int32, torch.int64)):
-            got = f"{t.dtype} of shape {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
             raise RejectedMessage("outcomes", f"episode/end outcome {name!r}: expected a 1-D bool, "
-                                              f"integer or float tensor of {n} values, got {got}")
+                                              f"integer or float tensor of {n} values, got {t.dtype} of "
+                                              f"shape {tuple(t.shape)}")
         try:
             out[name] = t.detach().to("cpu", torch.float64).numpy()
         except (TypeError, RuntimeError) as exc:  # a dtype without a float64 cast (quantized...)
             raise RejectedMessage("outcomes", f"episode/end outcome {name!r}: {t.dtype} cannot be "
                                               f"stored as float64: {exc}") from exc
     return out
+
+
+def _numpy_outcome(name: str, values: np.ndarray, n: int) -> np.ndarray:
+    """A numpy outcome (bool, integer, float or :class:`broker.BFloat16Bits`) as float64.
+
+    Raises:
+        RejectedMessage: (``"outcomes"``) it is not 1-D of ``n`` values of such a dtype.
+    """
+    dtype = dtype_name(values)
+    if values.ndim != 1 or values.shape[0] != n or not (dtype == "bfloat16" or values.dtype.kind in "biuf"):
+        raise RejectedMessage("outcomes", f"episode/end outcome {name!r}: expected a 1-D bool, integer "
+                                          f"or float array of {n} values, got {dtype} of shape {values.shape}")
+    return (_float32(values) if dtype == "bfloat16" else values).astype(np.float64)
 
 
 class RunAssembly:
@@ -376,7 +400,7 @@ class RunAssembly:
 
     # -- message handlers ----------------------------------------------------------------
 
-    def on_batch(self, msg: Batch) -> None:
+    def on_batch(self, msg: Batch[Any]) -> None:
         topic = msg.topic
         if not isinstance(topic, str) or not topic.startswith("batch/") or topic == "batch/":
             raise RejectedMessage("topic", f"a batch on topic {topic!r:.80}: expected 'batch/<term>'")
@@ -418,7 +442,7 @@ class RunAssembly:
             self._fragments(buf)
         buf.add(worlds, fields, int(msg.step), msg.hook)
 
-    def on_end(self, msg: EpisodeEnd) -> None:
+    def on_end(self, msg: EpisodeEnd[Any]) -> None:
         worlds, episodes = self._worlds(msg.worlds, msg.episodes, "episode/end")
         try:
             flags = {k: as_numpy(getattr(msg, k), f"episode/end {k}")
@@ -466,7 +490,7 @@ class RunAssembly:
         self.episode[worlds] = episodes + 1
         self.clean[worlds] = True
 
-    def on_variation(self, msg: VariationSample) -> None:
+    def on_variation(self, msg: VariationSample[Any]) -> None:
         if not isinstance(msg.key, str) or not msg.key:
             raise RejectedMessage("key", f"invalid variation key {msg.key!r:.80}")
         topic = f"variation/{msg.key}"

@@ -33,16 +33,16 @@ import os
 import time
 from collections import Counter
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType, TracebackType
 from typing import Any
 
 import numpy as np
 
-from broker import Batch, EpisodeEnd, FieldSpec, Gap, Message, RunEnd, RunStart, VariationSample
+from broker import Batch, EpisodeEnd, FieldSpec, Gap, Message, MessageOf, RunEnd, RunStart, VariationSample
 
-from ._format import Compression, StoreLocation, local_path, to_json
+from ._format import ALL_RUNS, Compression, Partition, StoreLocation, local_path, to_json
 from .assembly import MAX_WORLDS, ExportMode, RejectedMessage, RunAssembly, run_fields
 from .run_writer import RunStoreWriter, RunWriter
 from .write_queue import RunWriteQueue
@@ -70,6 +70,10 @@ class DaemonStatistics:
         lag_steps: Highest step received minus the end step of the last committed episode.
         memory_bytes: Bytes held for episodes in progress and write pieces, all runs.
         uptime_s: Seconds since the daemon started.
+        other_partition: Messages of runs of other partitions, dropped unread (and their
+            ``RunEnd`` confirmed at once: their own daemon confirms its commit).
+        stored_by_run: Episodes committed by this daemon, per stored run name (active runs and
+            those it retired, ended or failed).
     """
 
     messages: int
@@ -86,6 +90,8 @@ class DaemonStatistics:
     lag_steps: int
     memory_bytes: int
     uptime_s: float
+    other_partition: int = 0
+    stored_by_run: Mapping[str, int] = field(default_factory=dict)
 
 
 def failed_store_location(location: StoreLocation) -> StoreLocation:
@@ -115,6 +121,9 @@ class StoreDaemon:
             its messages come back).
         on_run_end: Called with a run id once that run's ``RunEnd`` is committed (the
             transport confirms the run's end to its publisher).
+        partition: The runs this daemon stores (:class:`storage.Partition`, default
+            all): messages and gaps of other runs are dropped before anything else, and the
+            startup clean-up touches only this partition's runs.
 
     Raises:
         ValueError: An argument is out of range.
@@ -125,7 +134,10 @@ class StoreDaemon:
                  failed_store: StoreLocation | None = None, compression: Compression = "lz4",
                  chunk_bytes: int = 1 << 20, memory_budget: int = 1 << 30, fsync: bool = False,
                  commit_interval: float = 0.5, max_runs: int = 64, idle_timeout: float = 600.0,
-                 on_run_end: Callable[[str], None] | None = None) -> None:
+                 on_run_end: Callable[[str], None] | None = None,
+                 partition: Partition = ALL_RUNS) -> None:
+        if not isinstance(partition, Partition):
+            raise TypeError(f"partition: expected a storage Partition, got {partition!r}")
         if export not in ("all", "succeeded", "split", "none"):
             raise ValueError(f"export: expected 'all', 'succeeded', 'split' or 'none', got {export!r}")
         if isinstance(memory_budget, bool) or not isinstance(memory_budget, int) or memory_budget <= 0:
@@ -144,10 +156,11 @@ class StoreDaemon:
         self.max_runs = max_runs
         self.idle_timeout = float(idle_timeout)
         self.on_run_end = on_run_end
+        self.partition = partition
         self.writers: list[RunStoreWriter] = []
         if export != "none":
             opts: dict[str, Any] = {"compression": compression, "chunk_bytes": chunk_bytes,
-                                    "fsync": fsync}
+                                    "fsync": fsync, "partition": partition}
             self.writers.append(RunStoreWriter(store, **opts))
             if export == "split":
                 self.writers.append(RunStoreWriter(
@@ -159,9 +172,11 @@ class StoreDaemon:
         self._ended: set[str] = set()       # stored names whose RunEnd was committed here
         self._failed: dict[str, str] = {}   # stored name -> why it failed
         self._messages = 0
+        self._other_partition = 0
         self._gaps = 0
         self._rejected: Counter[str] = Counter()
         self._retired = Counter[str]()
+        self._stored_by_run = Counter[str]()  # retired runs' committed episodes, by name
         self._started = time.monotonic()
         self.closed = False
         for writer in self.writers:
@@ -186,9 +201,14 @@ class StoreDaemon:
         """Broker-consumer form of :meth:`handle`."""
         self.handle(message)
 
-    def handle(self, item: Message | Gap) -> None:
-        """Store one message, or record a transport gap. Never raises for what a message holds:
-        messages the store cannot accept are counted and skipped (see :meth:`statistics`)."""
+    def handle(self, item: MessageOf[Any] | Gap) -> None:
+        """Store one message (its tensors torch tensors or numpy arrays: the stored bytes are the
+        same), or record a transport gap. Never raises for what a message holds: messages the
+        store cannot accept are counted and skipped (see :meth:`statistics`)."""
+        run = getattr(item, "run", None)
+        if isinstance(run, str) and not self.partition.owns(run):
+            self._skip(item)
+            return
         if isinstance(item, Gap):
             self._on_gap(item)
             return
@@ -228,6 +248,15 @@ class StoreDaemon:
             if name is not None and failure is not None:
                 self._fail(name, failure)
 
+    def _skip(self, item: MessageOf[Any] | Gap) -> None:
+        """Drop a message or gap of another partition's run; confirm its ``RunEnd`` at once
+        (publishers wait for every daemon's confirmation; the owner confirms its commit)."""
+        if isinstance(item, Gap):
+            return
+        self._other_partition += 1
+        if isinstance(item, RunEnd) and self.on_run_end is not None:
+            self.on_run_end(item.run)
+
     def tick(self) -> None:
         """Commit runs whose commit interval elapsed and retire idle ones (call when the input
         is idle, and now and then)."""
@@ -247,7 +276,7 @@ class StoreDaemon:
 
     # -- routing -------------------------------------------------------------------------
 
-    def _route(self, msg: Message) -> RunAssembly | None:
+    def _route(self, msg: MessageOf[Any]) -> RunAssembly | None:
         """The assembly of ``msg``'s run: an active one, a resumed one, or a new one."""
         if self.export == "none":
             if isinstance(msg, RunEnd) and self.on_run_end is not None:
@@ -303,7 +332,7 @@ class StoreDaemon:
         asm.set_run_fields(fields)
         return asm
 
-    def _open(self, name: str, msg: Message) -> RunAssembly:
+    def _open(self, name: str, msg: MessageOf[Any]) -> RunAssembly:
         """A run joined without its ``RunStart``: resumed from the store, or new (its start
         counts as seen when the first message follows ``RunStart``'s sequence number 0)."""
         return self._admit(name, msg.run, num_worlds=None, device="unknown", metadata=None,
@@ -426,7 +455,9 @@ class StoreDaemon:
         self._rebalance()
 
     def _count(self, asm: RunAssembly) -> None:
-        self._retired["stored"] += sum(w.stored for w in asm._writers())
+        stored = sum(w.stored for w in asm._writers())
+        self._retired["stored"] += stored
+        self._stored_by_run[asm.run] += stored
         for key in ("filtered", "incomplete", "open_at_end"):
             self._retired[key] += getattr(asm, key)
 
@@ -488,6 +519,9 @@ class StoreDaemon:
         total = {k: self._retired[k] + sum(getattr(r, k) for r in live)
                  for k in ("filtered", "incomplete", "open_at_end")}
         lag = max((r.step_high - r.primary.committed_step for r in live), default=0)
+        by_run = self._stored_by_run.copy()
+        for r in live:
+            by_run[r.run] += sum(w.stored for w in r._writers())
         return DaemonStatistics(
             messages=self._messages, episodes_stored=stored,
             episodes_filtered=total["filtered"], episodes_incomplete=total["incomplete"],
@@ -495,7 +529,8 @@ class StoreDaemon:
             bytes_written=sum(w.bytes_written for w in self.writers), gaps=self._gaps,
             rejected=MappingProxyType(dict(self._rejected)), runs_active=len(live),
             runs_ended=len(self._ended), runs_failed=len(self._failed), lag_steps=max(0, lag),
-            memory_bytes=sum(r.memory() for r in live), uptime_s=time.monotonic() - self._started)
+            memory_bytes=sum(r.memory() for r in live), uptime_s=time.monotonic() - self._started,
+            other_partition=self._other_partition, stored_by_run=MappingProxyType(dict(by_run)))
 
     def close(self) -> None:
         """Commit every complete episode of every run and cut the arrays. Idempotent.
@@ -526,7 +561,7 @@ class StoreDaemon:
         return [p for w in self.writers if (p := local_path(w.location)) is not None]
 
 
-def _check_envelope(msg: Message) -> None:
+def _check_envelope(msg: MessageOf[Any]) -> None:
     run, seq, step = msg.run, msg.seq, msg.step
     if not isinstance(run, str) or not run:
         raise RejectedMessage("run", f"invalid run id {run!r:.80}")

@@ -254,6 +254,15 @@ class RunStore:
         """Run group nodes whose attributes cannot be read, with what is wrong."""
         return dict(self._damaged)
 
+    def node(self, run: str) -> str:
+        """The group node of ``run`` under ``runs/`` (its escaped name, see ``LAYOUT.md``).
+
+        Raises:
+            RunNotFoundError, StoreDamagedError: As :meth:`info`.
+        """
+        self.info(run)
+        return self._nodes[run]
+
     def info(self, run: str) -> dict[str, Any]:
         """The run's attributes: num_worlds, device, metadata, status, fields, committed, and:
 
@@ -916,6 +925,49 @@ class RunStore:
             raise StoreDamagedError(f"run {run!r}: array {where!r} chunk(s) cannot be read: "
                                     f"{errors[0]!r}") from errors[0]
         return [c for c in chunks if c is not None]
+
+    def check_chunks(self, run: str, arr: zarr.Array[Any], chunk_ids: Sequence[int],
+                     place: Callable[[int, np.ndarray], None] | None = None, *,
+                     batch: int = 64) -> dict[int, str]:
+        """Fetch and decode row chunks ``chunk_ids`` of ``arr`` (a run's array, as the bulk
+        reads do: checksums included), without stopping at the first bad one.
+
+        Args:
+            run: The run the array belongs to (for the messages).
+            arr: The array.
+            chunk_ids: Row-chunk indices to read.
+            place: Called as ``place(chunk_id, chunk)`` for every chunk that decodes (on the
+                fetching threads: each call must touch only its own part of any output).
+            batch: Chunks fetched at once (memory: ``batch`` decoded chunks).
+
+        Returns:
+            Chunk index -> what is wrong with it (``"missing"``, or why it cannot be read),
+            for every chunk that is missing or fails to decode; empty when all are sound.
+        """
+        bad: dict[int, str] = {}
+        ids = [int(i) for i in chunk_ids]
+
+        def read(part: list[int]) -> None:
+            def put(i: int, chunk: np.ndarray) -> None:
+                if place is not None:
+                    place(part[i], chunk)
+
+            self._fetch(run, arr, part, put)
+
+        for a in range(0, len(ids), batch):
+            part = ids[a:a + batch]
+            try:
+                read(part)
+                continue
+            except StoreDamagedError:
+                pass
+            for chunk_id in part:  # one by one, to name each bad chunk
+                try:
+                    read([chunk_id])
+                except StoreDamagedError as exc:
+                    cause = exc.__cause__
+                    bad[chunk_id] = "missing" if cause is None else f"cannot be read: {cause!r}"
+        return bad
 
     def gaps(self, run: str) -> Table:
         """Ranges ``[expected, received)`` the store never received: ``source`` 0 is a gap

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeAlias
 
@@ -25,8 +25,9 @@ import zarr
 
 from broker import FieldSpec
 
-from ._columns import Column, write_columns
+from ._columns import Column, flush_columns, write_columns
 from ._format import (
+    ALL_RUNS,
     APPEND_CONFIG,
     CHUNK_KEYS,
     EPISODE_COLUMNS,
@@ -41,9 +42,12 @@ from ._format import (
     TABLE_CHUNK,
     VAR_COLUMNS,
     Compression,
+    Partition,
     StoreLocation,
     child_nodes,
     codecs,
+    create_groups,
+    is_partial_file,
     local_path,
     node_name,
     numpy_dtype,
@@ -273,32 +277,40 @@ class RunWriter:
             self._open_term(term)
         return self._data[term].step.rows
 
-    def data_array(self, term: str, name: str) -> zarr.Array[Any]:
-        """The zarr array of field ``name`` of ``term`` (any name: the row columns are
-        :meth:`row_arrays`); rows past :meth:`rows` are capacity, not data."""
-        if term not in self._data:
-            self._open_term(term)
-        return self._data[term].fields[name].array
-
-    def row_arrays(self, term: str) -> tuple[zarr.Array[Any], zarr.Array[Any]]:
-        """The zarr arrays of ``term``'s row columns: step (int64) and hook (uint8 code into
-        :data:`HOOKS`); rows past :meth:`rows` are capacity, not data."""
+    def _stored(self, term: str) -> TermColumns:
+        """The columns of ``term`` with every row appended in the store (partial last chunks
+        written: writer thread)."""
         if term not in self._data:
             self._open_term(term)
         columns = self._data[term]
+        flush_columns(columns.all())
+        return columns
+
+    def data_array(self, term: str, name: str) -> zarr.Array[Any]:
+        """The zarr array of field ``name`` of ``term`` (any name: the row columns are
+        :meth:`row_arrays`), holding every row appended (writer thread: the partial last
+        chunks are written first); rows past :meth:`rows` are capacity, not data."""
+        return self._stored(term).fields[name].array
+
+    def row_arrays(self, term: str) -> tuple[zarr.Array[Any], zarr.Array[Any]]:
+        """The zarr arrays of ``term``'s row columns: step (int64) and hook (uint8 code into
+        :data:`HOOKS`), holding every row appended (writer thread, as :meth:`data_array`);
+        rows past :meth:`rows` are capacity, not data."""
+        columns = self._stored(term)
         return columns.step.array, columns.hook.array
 
     def append(self, term: str, fields: Mapping[str, np.ndarray], steps: np.ndarray,
                hooks: np.ndarray) -> int:
         """Append rows to ``term``'s arrays (data only: nothing is committed). Returns the
         offset of the first row. Fields are matched by name (any name, ``_step`` too); the
-        rows' steps and hook codes go to the row columns."""
+        rows' steps and hook codes go to the row columns. Only whole chunks are written here:
+        the rows of each partial last chunk wait in memory for the commit that needs them."""
         if term not in self._data:
             self._open_term(term)
         columns = self._data[term]
         offset = self.rows(term)
         write_columns([(columns.fields[name], values) for name, values in fields.items()]
-                      + [(columns.step, steps), (columns.hook, hooks)])
+                      + [(columns.step, steps), (columns.hook, hooks)], flush=False)
         self._owner.bytes_written += sum(int(v.nbytes) for v in fields.values())
         return offset
 
@@ -372,6 +384,7 @@ class RunWriter:
         self.create()
         assert self.group is not None
         committed = self.meta["committed"]
+        self._store_segments(episodes.segments if episodes is not None else None)
         if episodes is not None and len(episodes):
             etab = self._table("episodes", EPISODE_COLUMNS, "episode")
             stab = self._table("segments", SEGMENT_COLUMNS, "segment")
@@ -407,8 +420,8 @@ class RunWriter:
         with self.lock:
             committed["episodes"], committed["segments"], committed["gaps"] = \
                 new_episodes, new_segments, new_gaps
-            for term in self._data:
-                committed["rows"][term] = self.rows(term)
+            for term, columns in self._data.items():
+                committed["rows"][term] = min(c.stored for c in columns.all())
             if variations:
                 committed["variations"].update(variations)
             if seq_high is not None:
@@ -422,6 +435,19 @@ class RunWriter:
             self.meta["dirty"] = True
             meta = dict(self.meta)
         self.group.update_attributes({"worldtap_run": meta})  # the commit point
+
+    def _store_segments(self, segments: np.ndarray | None) -> None:
+        """Write the partial last chunks that hold rows of ``segments`` (``(topic code,
+        offset, rows)`` rows) and are not in the store yet, so the commit may count them."""
+        need: dict[int, int] = {}
+        if segments is not None:
+            seg = np.asarray(segments, np.int64).reshape(-1, 3)
+            for code, end in zip(seg[:, 0].tolist(), (seg[:, 1] + seg[:, 2]).tolist(), strict=True):
+                need[code] = max(need.get(code, 0), end)
+        with self.lock:
+            topics: list[str] = list(self.meta["topics"])
+        flush_columns([c for code, term in enumerate(topics) if term in self._data and code in need
+                       for c in self._data[term].all() if c.stored < need[code]])
 
     def mark_clean(self, **extra: Any) -> None:
         """Record that every array is cut to the committed counts (after :meth:`trim`)."""
@@ -590,15 +616,17 @@ class RunWriter:
         return reclaimed
 
     def trim(self) -> None:
-        """Cut every array to the rows written, so plain zarr readers see exact lengths
-        (call once everything written is committed: at the run's end, or at shutdown).
-        Writing afterwards grows the capacity again."""
+        """Cut every array to its committed rows, so plain zarr readers see exact lengths
+        (call after the last commit: at the run's end, or at shutdown). Data rows appended
+        after that commit (fragments of episodes still open) are forgotten. Writing
+        afterwards grows the capacity again."""
         with self.lock:
-            for columns in [*(t.all() for t in self._data.values()),
-                            *(list(c.values()) for c in [*self._tables.values(), *self._variations.values(),
-                                                         self._outcomes])]:
-                for column in columns:
-                    column.trim()
+            for term, data in self._data.items():
+                for column in data.all():
+                    column.trim(int(self.meta["committed"]["rows"][term]))
+            for columns in [*self._tables.values(), *self._variations.values(), self._outcomes]:
+                for column in columns.values():
+                    column.trim(column.rows)
 
 
 class RunStoreWriter:
@@ -611,6 +639,8 @@ class RunStoreWriter:
             carries a crc32c checksum.
         chunk_bytes: Target uncompressed bytes per data chunk.
         fsync: Make every write durable before a commit is reported (local stores).
+        partition: The runs this writer owns (:class:`storage.Partition`; default all):
+            crash debris is removed, and dirty runs are listed, only among them.
 
     Raises:
         StoreFormatError: ``location`` holds something that is not a worldtap run store (a
@@ -620,25 +650,34 @@ class RunStoreWriter:
     """
 
     def __init__(self, location: StoreLocation, *, compression: Compression = "lz4",
-                 chunk_bytes: int = 1 << 20, fsync: bool = False) -> None:
+                 chunk_bytes: int = 1 << 20, fsync: bool = False,
+                 partition: Partition = ALL_RUNS) -> None:
         if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int) or chunk_bytes <= 0:
             raise ValueError(f"chunk_bytes: expected a positive int, got {chunk_bytes!r}")
         self.location = location
         self.codecs = codecs(compression)
         self.chunk_bytes = chunk_bytes
         self.fsync = fsync
+        self.partition = partition
         self.bytes_written = 0
         path = local_path(location)
         if path is not None and path.exists():
             if not path.is_dir():
                 raise StoreFormatError(f"{str(path)!r} is not a directory, so not a run store")
-            if not (path / "zarr.json").is_file() and any(path.iterdir()):
+            # Listed first: another daemon may be creating the store (its temporary files are
+            # no content, and it writes zarr.json before anything else).
+            content = [entry for entry in path.iterdir() if not is_partial_file(entry.name)]
+            if content and not (path / "zarr.json").is_file():
                 raise StoreFormatError(
                     f"{str(path)!r} is a non-empty directory but not a zarr store; refusing to "
                     f"write into it (choose an empty or new directory, or an existing run store)")
         self.store = open_store(location, fsync=fsync)
         try:
-            self.root = zarr.open_group(self.store, mode="a")
+            # Several daemons (partitions) may start at once on an empty store: each writes
+            # the same root and runs/ metadata only where absent, never an empty root first.
+            create_groups(self.store, {"": {"worldtap": {"format": FORMAT, "version": FORMAT_VERSION,
+                                                         "hooks": list(HOOKS)}}})
+            self.root = zarr.open_group(self.store, mode="r+")
             info = self.root.attrs.get("worldtap")
         except OSError:  # disk full, read-only, permissions: the caller says so as it is
             raise
@@ -656,10 +695,18 @@ class RunStoreWriter:
                 f"{info!r}")
         else:
             self._extend_hooks(location, info)
-        # Only now is it known to be a run store: its debris is ours to remove.
-        self.debris_removed = remove_partial_files(path) if path is not None else 0
-        self.runs_group = self.root.require_group("runs")
+        create_groups(self.store, {"runs": {}})
+        self.runs_group = _as_group(self.root["runs"], "runs")
         self._runs: dict[str, RunWriter] = {}
+        # Only now is it known to be a run store: its debris is ours to remove; with several
+        # partitions only inside our own runs (the other daemons' writes are in flight).
+        if path is None:
+            self.debris_removed = 0
+        elif partition.whole:
+            self.debris_removed = remove_partial_files(path)
+        else:
+            self.debris_removed = sum(remove_partial_files(path / "runs" / node)
+                                      for node, _ in self._own_runs())
 
     def _extend_hooks(self, location: StoreLocation, info: dict[str, Any]) -> None:
         """Bring the root's hook list up to :data:`HOOKS` (codes are append-only, so a store
@@ -743,10 +790,9 @@ class RunStoreWriter:
         """Drop the writer of ``run`` (retired or failed); a later :meth:`run` reopens it."""
         self._runs.pop(run, None)
 
-    def dirty_runs(self) -> list[str]:
-        """Runs whose arrays may hold rows past their committed counts (a daemon stopped before
-        trimming them): resume them, or :meth:`clean` them."""
-        out = []
+    def _own_runs(self) -> Iterator[tuple[str, dict[str, Any]]]:
+        """``(node, attributes)`` of the stored runs of this writer's partition (runs whose
+        attributes cannot be read are logged and skipped)."""
         for node in child_nodes(self.runs_group):
             try:
                 group = self._group(node, node)
@@ -754,9 +800,13 @@ class RunStoreWriter:
             except StoreDamagedError as exc:
                 _log.error("store %r: %s", self.location, exc)
                 continue
-            if meta is not None and meta.get("dirty", False):
-                out.append(str(meta["run"]))
-        return sorted(out)
+            if meta is not None and self.partition.owns_meta(meta):
+                yield node, meta
+
+    def dirty_runs(self) -> list[str]:
+        """Runs of this writer's partition whose arrays may hold rows past their committed
+        counts (a daemon stopped before trimming them): resume them, or :meth:`clean` them."""
+        return sorted(str(meta["run"]) for _, meta in self._own_runs() if meta.get("dirty", False))
 
     def clean(self, run: str) -> int:
         """Recover and trim ``run`` (no writer may be open on it); returns rows reclaimed.

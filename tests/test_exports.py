@@ -11,9 +11,9 @@ import pytest
 EXPORTS: dict[str, set[str]] = {
     "broker": {
         "BUILD", "DEFAULT_ENDPOINT", "PROTOCOL_VERSION", "RUNTIME", "TOPIC_EPISODE_END",
-        "TOPIC_RUN_END", "TOPIC_RUN_START", "Batch", "Broker", "BrokerClosedError", "BrokerError",
+        "TOPIC_RUN_END", "TOPIC_RUN_START", "BFloat16Bits", "Batch", "Broker", "BrokerClosedError", "BrokerError",
         "BrokerStatistics", "Consumer", "ConsumerError", "CurveClient", "CurveServer",
-        "EpisodeEnd", "FieldSpec", "Gap", "KeyPair", "Message", "Phase", "Policy",
+        "EpisodeEnd", "FieldSpec", "Gap", "KeyPair", "Message", "MessageOf", "NumpyMessage", "Phase", "Policy",
         "PublisherStatistics", "RunEnd", "RunStart", "SchemaError", "SecurityError", "SendTimeoutError",
         "Subscriber", "SubscriberStatistics", "SubscriberTimeoutError", "Subscription",
         "TopicSchema", "TransportError", "VariationSample", "WireFormatError", "ZmqPublisher", "batch_topic",
@@ -39,9 +39,9 @@ EXPORTS: dict[str, set[str]] = {
     "storage": {
         "DaemonStatistics", "EpisodeBatch", "EpisodeNotFoundError", "EpisodeRows", "episode_coordinate", "ExportMode", "FencedStore",
         "LeaseExpiredError", "QueryError", "RejectedMessage",
-        "RunNotFoundError", "RunStore", "RunStoreWriter", "RunWriter", "StorageError",
+        "Partition", "Problem", "RunNotFoundError", "RunReport", "RunStore", "RunStoreWriter", "RunWriter", "StorageError",
         "StoreDaemon", "StoreDamagedError", "StoreFormatError", "StoreLease", "StoreLock", "StoreLockedError", "Table",
-        "failed_store_location",
+        "VerifyReport", "daemon_status", "failed_store_location", "repair_store", "verify_store",
     },
 }
 

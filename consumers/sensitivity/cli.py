@@ -6,11 +6,13 @@ Offline::
 
 Live, as a remote subscriber of a publisher (or proxy) at ENDPOINT::
 
-    worldtap-sensitivity --connect tcp://127.0.0.1:5555 [--every 200]
+    worldtap-sensitivity --connect tcp://127.0.0.1:5555 [--every 200] [--daemon-status ENDPOINT]
 
 Both write ``indices.csv``, ``indices.json``, ``rates.csv``, ``sensitivity.png`` and
 ``convergence.png`` under ``--out`` (default ``./runs/sensitivity/<run>``) and print the
-indices table. A factor is marked influential only when the lower bound of its index's 95%
+indices table. Live, ``--daemon-status`` adds the storage daemon's lag, write rate, gaps and
+rejections (asked of its status socket, ``worldtap-store serve --status``, in the background)
+to each report. A factor is marked influential only when the lower bound of its index's 95%
 interval exceeds the upper bound of the dummy factor's (an independent uniform column the tool
 draws). Exit status: 0 on success (also after Ctrl-C in live mode, once the outputs are
 written), 2 on bad input (no such store or run, an empty table), 1 when a needed package is
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import threading
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -29,7 +32,7 @@ from .analysis import CONVERGENCE_RULE, INFLUENCE_RULE, Analysis, analyze
 from .errors import MissingDependencyError, SensitivityError
 from .methods import DEFAULT_METHODS, METHODS
 
-__all__ = ["declarations_of", "main"]
+__all__ = ["declarations_of", "describe_daemon", "main"]
 
 _PROG = "worldtap-sensitivity"
 
@@ -56,7 +59,57 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--every", type=int, default=200,
                    help="live: recompute after this many new episodes (default %(default)s)")
     p.add_argument("--quiet", action="store_true", help="no progress lines")
+    p.add_argument("--daemon-status", metavar="ENDPOINT",
+                   help="live: a storage daemon's status endpoint (worldtap-store serve --status); "
+                        "its lag, write rate, gaps and rejections are shown with each report")
     return p
+
+
+class _DaemonWatch:
+    """Asks a storage daemon for its status every ``interval`` seconds on a background thread,
+    so the live loop never waits for it; :meth:`line` is the latest answer, in words."""
+
+    def __init__(self, endpoint: str, interval: float = 2.0) -> None:
+        self.endpoint, self.interval = endpoint, interval
+        self._line = f"daemon {endpoint}: no answer yet"
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="worldtap-sensitivity-daemon",
+                                        daemon=True)
+
+    def _run(self) -> None:
+        from storage import StorageError, daemon_status
+
+        while not self._stop.is_set():
+            try:
+                self._line = describe_daemon(self.endpoint, daemon_status(
+                    self.endpoint, timeout=self.interval))
+            except (StorageError, OSError) as exc:  # no daemon there (yet): say so, keep asking
+                self._line = f"daemon {self.endpoint}: {exc}"
+            self._stop.wait(self.interval)
+
+    def line(self) -> str:
+        """The daemon's latest status, in one line."""
+        return self._line
+
+    def __enter__(self) -> _DaemonWatch:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(self.interval + 1.0)
+
+
+def describe_daemon(endpoint: str, status: Mapping[str, Any]) -> str:
+    """One line of a storage daemon's status document (:func:`storage.daemon_status`)."""
+    rate = status.get("rate", {})
+    rejected = status.get("rejected", {})
+    reasons = ", ".join(f"{k} {v}" for k, v in sorted(rejected.items()))
+    return (f"daemon {endpoint}: lag {status.get('lag_steps', 0)} steps, "
+            f"{rate.get('mb_per_s', 0.0):.1f} MB/s, {rate.get('episodes_per_s', 0.0):.1f} "
+            f"episodes/s, {status.get('episodes', {}).get('stored', 0)} episodes stored, "
+            f"gaps {status.get('gaps', 0)}, rejected {sum(rejected.values())}"
+            f"{f' ({reasons})' if reasons else ''}")
 
 
 def _split(text: str | None) -> list[str] | None:
@@ -138,7 +191,11 @@ def _offline(args: argparse.Namespace, out: _Out) -> int:
 
 
 def _live(args: argparse.Namespace, out: _Out) -> int:
+    from contextlib import nullcontext
+
     from .live import run_live
+
+    watch = _DaemonWatch(args.daemon_status) if args.daemon_status else None
 
     display: Any = None
     if sys.stdout.isatty():  # one table updated in place; else each result printed in turn
@@ -148,6 +205,8 @@ def _live(args: argparse.Namespace, out: _Out) -> int:
         display = require("rich.live").Live(auto_refresh=False)
 
     def on_result(analysis: Analysis) -> None:
+        if watch is not None:
+            out.status(watch.line())
         if display is None:
             out.table(analysis)
             return
@@ -157,11 +216,12 @@ def _live(args: argparse.Namespace, out: _Out) -> int:
         "out": args.out, "run": args.run, "every": args.every, "outputs": _split(args.outputs),
         "methods": _split(args.methods) or [], "seed": args.seed, "resamples": args.resamples,
         "bins": args.bins, "on_result": on_result, "on_status": out.status}
-    if display is None:
-        result = run_live(args.connect, **kwargs)
-    else:
-        with display:
+    with watch if watch is not None else nullcontext():
+        if display is None:
             result = run_live(args.connect, **kwargs)
+        else:
+            with display:
+                result = run_live(args.connect, **kwargs)
     if result.analysis is None:
         print(f"{_PROG}: no finished episodes arrived"
               f"{' before Ctrl-C' if result.interrupted else ''}; nothing written", file=sys.stderr)
@@ -178,6 +238,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.resamples < 2 or args.bins < 1 or args.every < 1:
             raise SensitivityError(f"--resamples >= 2, --bins >= 1 and --every >= 1 expected, got "
                                    f"{args.resamples}, {args.bins}, {args.every}")
+        if args.daemon_status and not args.connect:
+            raise SensitivityError("--daemon-status goes with --connect (live mode)")
         return _live(args, out) if args.connect else _offline(args, out)
     except MissingDependencyError as exc:
         print(f"{_PROG}: {exc}", file=sys.stderr)

@@ -18,17 +18,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "storage"))
 
-from storage_sim import Sim
+from storage_sim import Sim, wait_for_file
 
 from broker import Broker, ZmqPublisher
-
-
-def _wait_for(path: str) -> None:
-    deadline = time.monotonic() + 60.0
-    while not Path(path).exists():
-        if time.monotonic() > deadline:
-            sys.exit(f"proxy_sim: {path} did not appear within 60 s")
-        time.sleep(0.01)
 
 
 def _steps(sim: Sim, n: int, delay: float) -> None:
@@ -56,12 +48,12 @@ def main() -> None:
     pub.wait_for_subscribers(1, timeout=60.0)
     print("joined", flush=True)
     if args.start is not None:
-        _wait_for(args.start)
+        wait_for_file(args.start, "proxy_sim")
     sim = Sim(broker, args.worlds, run=args.run, seed=args.seed)
     _steps(sim, args.steps, args.delay)
     if args.gate is not None:
         print("gate", flush=True)
-        _wait_for(args.gate)
+        wait_for_file(args.gate, "proxy_sim")
         pub.wait_for_subscribers(1, timeout=60.0)
         _steps(sim, args.steps2, args.delay)
     sim.close()

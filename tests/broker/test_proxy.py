@@ -25,12 +25,11 @@ import zmq
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "storage"))
 
 from procs import Proc
-from storage_sim import Sim, assert_episode_equal
-from store_checks import Spans, check_store
+from storage_sim import assert_episode_equal
+from store_checks import check_store, replay
 
 from broker import (
     Batch,
-    Broker,
     BrokerClosedError,
     CurveClient,
     CurveServer,
@@ -411,15 +410,6 @@ def _daemon(spawn: Callable[..., Proc], store: Path, back: str, runs: int) -> Pr
                  "--status-interval", "0.2", "--commit-interval", "0.05")
 
 
-def _replay(run: str, seed: int, steps: int) -> tuple[Sim, Spans]:
-    """What a ``proxy_sim.py`` process with this run, seed and steps published."""
-    broker = Broker()
-    spans = Spans()
-    broker.subscribe("", spans)
-    sim = Sim(broker, 6, run=run, seed=seed)
-    sim.step(steps)
-    sim.close()
-    return sim, spans
 
 
 def _stop(proxy: Proc) -> None:
@@ -455,7 +445,7 @@ def test_three_publisher_processes_through_the_proxy_into_one_daemon(
     reader = RunStore(store)
     assert sorted(reader.runs()) == sorted(runs)
     for run, seed in runs.items():
-        sim, spans = _replay(run, seed, steps)
+        sim, spans = replay(run, seed, steps)
         assert check_store(store, sim, spans, run, run) == len(sim.outcome) > 0
         assert len(reader.gaps(run)) == 0
     infos = [reader.info(run) for run in runs]
@@ -494,7 +484,7 @@ def test_a_proxy_restart_mid_run_loses_what_was_in_flight_and_the_run_completes(
     assert pub.wait(60) == 0, pub.stderr[-3000:]
     assert daemon.wait(60) == 0, daemon.stderr[-3000:]
     _stop(second)
-    sim, _ = _replay("run-a", 5, 380)
+    sim, _ = replay("run-a", 5, 380)
     reader = RunStore(store)
     info = reader.info("run-a")
     assert info["status"] == "complete"

@@ -106,3 +106,24 @@ def test_plans_stay_bounded_for_variable_shapes_and_repeated_shapes_stay_cached(
         layout, _ = ring.stage(slot, steady)
         assert slot.recent is hot  # the per-step shape is planned once, whatever came between
         assert [bytes(slot.frame(*lo)) for lo in layout] == [_bits(t) for t in steady]
+
+
+def test_messages_that_differ_only_in_their_number_of_worlds_share_one_plan() -> None:
+    """Keyed by exact shapes, every reset batch or episode end of a new number of worlds made a
+    plan of its own (views per tensor) and pushed the per-step plans out. Keyed by dtypes and
+    trailing shapes, they share one plan that grows by doubling; what is staged is still each
+    message's bits, nothing of a larger message before it."""
+    ring = StagingRing(1, threading.Condition())
+    slot = ring.acquire(False, 0.0)
+    assert slot is not None
+    sizes = [n * 37 % 200 for n in range(200)]  # 0..199, in a scrambled order
+    for n in sizes:
+        tensors = [torch.arange(n, dtype=torch.int64) - n, (torch.arange(3 * n, dtype=torch.float32) / 7).reshape(n, 3),
+                   torch.arange(n) % 3 == 0,
+                   torch.arange(2 * n, dtype=torch.int16).reshape(2, n).t()]  # strided: copied by numpy
+        layout, _ = ring.stage(slot, tensors)
+        want = [_bits(t) for t in tensors]
+        assert [bytes(slot.frame(*lo)) for lo in layout] == want
+        assert [bytes(f) for f in slot.frames(layout)] == want
+    assert len(slot.plans) == 1
+    assert ring.plans_built == 5  # room for 1 row (0 first), 37, 74, 148, 296: not one per size

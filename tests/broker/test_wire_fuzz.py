@@ -7,7 +7,9 @@ range), re-packed, and the frames are mutated too (truncated, extended, swapped,
 bytes flipped, bool bytes set to 2..255). :func:`broker.wire.decode_envelope` must then either
 return a message that keeps the structural contract of ``broker/messages.py`` (checked byte for
 byte against the frames its header names), or raise :class:`WireFormatError` with a reason from
-``broker.wire.REASONS``; nothing else may escape.
+``broker.wire.REASONS``; nothing else may escape. Decoded to numpy (``arrays="numpy"``, the storage
+daemon's decoder), the same bytes must give the same error, or the same message as numpy arrays
+over the same bytes.
 
 The normal suite runs a few hundred cases. A larger campaign:
 
@@ -30,6 +32,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import msgpack
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -37,6 +40,7 @@ from hypothesis import strategies as st
 
 from broker import (
     Batch,
+    BFloat16Bits,
     EpisodeEnd,
     FieldSpec,
     RunEnd,
@@ -45,7 +49,16 @@ from broker import (
     WireFormatError,
     encode,
 )
-from broker.wire import DEFAULT_MAX_MESSAGE_SIZE, DTYPES, MAX_DIMS, REASONS, Decoded, decode_envelope
+from broker.wire import (
+    DEFAULT_MAX_MESSAGE_SIZE,
+    DTYPES,
+    MAX_DIMS,
+    REASONS,
+    Decoded,
+    decode_envelope,
+    message_tensors,
+    tensor_spec,
+)
 
 EXAMPLES = int(os.environ.get("WORLDTAP_FUZZ_EXAMPLES", "300"))
 HOOKS = ("pre_step", "post_step", "pre_reset", "post_reset")
@@ -491,6 +504,61 @@ def decode_checked(frames: list[bytes]) -> None:
     assert str(error)
 
 
+def _torch_of(a: object) -> torch.Tensor:
+    """A numpy-decoded array as the torch tensor it stands for (a copy), after checking what the
+    numpy decoder promises: a C-contiguous, aligned, native numpy array of the whitelist, with
+    bfloat16 as :class:`BFloat16Bits` and nothing else as ``uint16``."""
+    assert isinstance(a, np.ndarray)
+    assert type(a) is (BFloat16Bits if a.dtype == np.uint16 else np.ndarray), f"{type(a).__name__} of {a.dtype}"
+    assert a.flags.c_contiguous
+    assert a.ctypes.data % a.dtype.itemsize == 0 or not a.size
+    t = torch.from_numpy(np.array(a.view(np.ndarray)))
+    return t.view(torch.bfloat16) if isinstance(a, BFloat16Bits) else t
+
+
+def _as_torch(decoded: Decoded[np.ndarray]) -> Decoded:
+    """``decoded`` with every array replaced by :func:`_torch_of` it."""
+    m = decoded.message
+    if isinstance(m, Batch):
+        message: Any = dataclasses.replace(m, worlds=_torch_of(m.worlds), episodes=_torch_of(m.episodes),
+                                           fields={k: _torch_of(v) for k, v in m.fields.items()})
+    elif isinstance(m, EpisodeEnd):
+        message = dataclasses.replace(
+            m, **{k: _torch_of(getattr(m, k)) for k in ("worlds", "episodes", "success", "terminated",
+                                                        "truncated", "length")},
+            outcomes={k: _torch_of(v) for k, v in m.outcomes.items()})
+    elif isinstance(m, VariationSample):
+        message = dataclasses.replace(m, worlds=_torch_of(m.worlds), episodes=_torch_of(m.episodes),
+                                      value=_torch_of(m.value))
+    else:
+        message = m
+    return dataclasses.replace(decoded, message=message)
+
+
+def decode_checked_numpy(frames: list[bytes]) -> None:
+    """Decode ``frames`` to numpy: the torch decoder's error (same reason and text), or a message
+    that keeps the contract with numpy arrays over the header's frames, of the same dtypes as the
+    torch decoder's tensors."""
+    errors: list[WireFormatError] = []
+    decoded: list[Decoded[Any]] = []
+    for arrays in ("torch", "numpy"):
+        try:
+            decoded.append(decode_envelope(frames, arrays=arrays))
+        except WireFormatError as exc:
+            errors.append(exc)
+    if errors:
+        assert len(errors) == 2, f"only one decoder refused: {errors[0]}"
+        assert errors[0].reason == errors[1].reason
+        assert str(errors[0]) == str(errors[1])
+        return
+    expected, got = decoded[0], _as_torch(decoded[1])
+    check_contract(got, frames)
+    if not isinstance(got.message, RunStart | RunEnd):
+        specs = [[tensor_spec("", n, t) for n, t in own + named]
+                 for own, named in (message_tensors(d.message) for d in (got, expected))]
+        assert specs[0] == specs[1]
+
+
 # -- corpus -------------------------------------------------------------------------------
 
 DROP = object()
@@ -671,6 +739,32 @@ def test_real_messages_keep_the_contract(name: str) -> None:
     """The unmutated messages decode, and the checker accepts them (so it is not vacuous)."""
     frames = REAL[name]
     check_contract(decode_envelope(frames), frames)
+    decode_checked_numpy(frames)
+
+
+@pytest.mark.parametrize(("name", "path", "value", "reason", "match"),
+                         [c[1:] for c in ESCAPES + PINNED + NEW_FIELDS],
+                         ids=[c[0] for c in ESCAPES + PINNED + NEW_FIELDS])
+def test_corpus_is_rejected_with_reason_when_decoding_to_numpy(name: str, path: tuple[Any, ...], value: Any,
+                                                              reason: str, match: str) -> None:
+    with pytest.raises(WireFormatError, match=match) as info:
+        decode_envelope(edited(name, path, value), arrays="numpy")
+    assert info.value.reason == reason
+
+
+def test_numpy_checker_catches_broken_decodes() -> None:
+    """The numpy contract checker can fail: a bfloat16 field read as plain uint16 bits, or as a
+    float16, is caught."""
+    frames = REAL["batch"]
+    good = decode_envelope(frames, arrays="numpy")
+    batch = good.message
+    assert isinstance(batch, Batch)
+    assert isinstance(batch.fields["half"], BFloat16Bits)
+    check_contract(_as_torch(good), frames)
+    for wrong in (batch.fields["half"].view(np.ndarray), batch.fields["half"].view(np.float16)):
+        broken = dataclasses.replace(good, message=dataclasses.replace(batch, fields={**batch.fields, "half": wrong}))
+        with pytest.raises(AssertionError):
+            check_contract(_as_torch(broken), frames)
 
 
 def test_checker_catches_broken_decodes() -> None:
@@ -705,6 +799,12 @@ def test_structured_mutations_never_escape(seed: int) -> None:
     decode_checked(mutated(seed))
 
 
+@settings(max_examples=EXAMPLES, deadline=None)
+@given(st.integers(0, 2**32 - 1))
+def test_structured_mutations_decode_to_numpy_as_to_torch(seed: int) -> None:
+    decode_checked_numpy(mutated(seed))
+
+
 # -- campaign -------------------------------------------------------------------------------
 
 
@@ -714,6 +814,7 @@ def campaign(count: int, first: int = 0) -> dict[str, tuple[int, int, str]]:
     for seed in range(first, first + count):
         try:
             decode_checked(mutated(seed))
+            decode_checked_numpy(mutated(seed))
         except Exception as exc:  # counting every escape is the point
             where = traceback.extract_tb(exc.__traceback__)[-1]
             key = f"{type(exc).__name__} at {os.path.basename(where.filename)}:{where.lineno} ({where.name})"

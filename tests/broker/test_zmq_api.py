@@ -30,9 +30,9 @@ from broker.errors import translate_zmq_errors
 def test_exported_surface() -> None:
     assert set(broker.__all__) == {
         "BUILD", "DEFAULT_ENDPOINT", "PROTOCOL_VERSION", "RUNTIME", "TOPIC_EPISODE_END", "TOPIC_RUN_END",
-        "TOPIC_RUN_START", "Batch", "Broker", "BrokerClosedError", "BrokerError", "BrokerStatistics",
+        "TOPIC_RUN_START", "BFloat16Bits", "Batch", "Broker", "BrokerClosedError", "BrokerError", "BrokerStatistics",
         "Consumer", "ConsumerError", "CurveClient", "CurveServer", "EpisodeEnd", "FieldSpec", "Gap",
-        "KeyPair", "Message", "Phase", "Policy", "PublisherStatistics", "RunEnd", "RunStart",
+        "KeyPair", "Message", "MessageOf", "NumpyMessage", "Phase", "Policy", "PublisherStatistics", "RunEnd", "RunStart",
         "SchemaError", "SecurityError", "SendTimeoutError", "Subscriber", "SubscriberStatistics",
         "SubscriberTimeoutError", "Subscription", "TopicSchema", "TransportError", "VariationSample",
         "WireFormatError", "ZmqPublisher", "batch_topic", "decode", "encode", "load_keypair",

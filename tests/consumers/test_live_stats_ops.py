@@ -12,6 +12,7 @@ from test_live_stats_accuracy import FLOAT32_BOUNDS, assert_matches, batch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from consumers import LiveStatistics
+from consumers.live_stats import _BLOCK_ROWS
 
 SYNCING_OPS = {"aten._local_scalar_dense.default", "aten.nonzero.default", "aten.item.default"}
 
@@ -38,6 +39,11 @@ def payload(fields: int, worlds: int, device: str = "cpu", seed: int = 0) -> dic
     return {k: v.to(device) for k, v in out.items()}
 
 
+def floats(fields: int, worlds: int, device: str = "cpu", seed: int = 0) -> dict[str, torch.Tensor]:
+    """``fields`` float32 fields of assorted per-world shapes (one dtype)."""
+    return {k: v for k, v in payload(fields, worlds, device, seed).items() if k.startswith("x")}
+
+
 def steady_ops(fields: int, worlds: int) -> list[str]:
     stats = LiveStatistics()
     first, second, third = (batch(payload(fields, worlds, seed=i), i) for i in range(3))
@@ -48,12 +54,29 @@ def steady_ops(fields: int, worlds: int) -> list[str]:
     return log.ops
 
 
-@pytest.mark.parametrize("worlds", [8, 4096])  # both ways the CPU takes min and max
+@pytest.mark.parametrize("worlds", [8, 2500, 4096])  # one block; blocks of 1024 rows, the last partial or not
 def test_tensor_ops_per_batch_do_not_grow_with_the_number_of_fields(worlds: int) -> None:
     few, many = steady_ops(4, worlds), steady_ops(40, worlds)
     assert few == many  # the same operations, in the same order, for 8 or 80 fields
-    assert len(few) <= 40, few  # two dtypes: a fixed handful each, plus the merge
+    blocks = -(-worlds // _BLOCK_ROWS)
+    # floats: at most 9 per block (concatenate, min, max, shift, two sums, square, and two
+    # copies for a block of rows not a multiple of 16); bools: concatenate and count
+    assert len(few) <= 9 * blocks + 2, few
     assert not SYNCING_OPS & set(few)  # nothing reads a value back to the host
+
+
+def test_windows_merge_every_so_many_blocks_and_on_read() -> None:
+    # The accumulators change only when a window is merged: after 64 blocks (16 batches of 4096
+    # rows, 64 of one block) or when read; every row is counted exactly once either way.
+    stats = LiveStatistics()
+    merges = []
+    for step in range(40):
+        with OpLog() as log:
+            stats(batch(floats(3, 4096, seed=step), step))
+        merges.append("aten.addcmul_.default" in log.ops)
+    assert [i for i, m in enumerate(merges) if m] == [16, 32]
+    assert stats.summary().fields["t/x0"].count == 40 * 4096
+    assert stats.summary().fields["t/x0"].count == 40 * 4096  # a second read merges nothing
 
 
 def test_summary_reads_each_layout_back_once() -> None:
@@ -101,13 +124,13 @@ def test_cuda_gives_what_the_cpu_gives() -> None:
         assert_matches(ref, rows, FLOAT32_BOUNDS, key)
 
 
-def cuda_launches(fields: int, worlds: int) -> int:
-    """Kernels, copies and fills on the device for one steady-state batch."""
+def cuda_launches(fields: int, worlds: int, make: Any = payload) -> int:
+    """Kernels, copies and fills on the device for one steady-state batch of ``make``'s fields."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     stats = LiveStatistics()
-    data = [batch(payload(fields, worlds, "cuda", seed=i), i) for i in range(3)]
+    data = [batch(make(fields, worlds, "cuda", seed=i), i) for i in range(3)]
     stats(data[0])
     stats(data[1])
     torch.cuda.synchronize()
@@ -121,6 +144,13 @@ def cuda_launches(fields: int, worlds: int) -> int:
 def test_cuda_launches_per_batch_do_not_grow_with_the_number_of_fields() -> None:
     few, many = cuda_launches(4, 4096), cuda_launches(40, 4096)
     assert few > 0
+    assert few == many
+
+
+@pytest.mark.cuda
+def test_cuda_launches_per_batch_of_one_dtype_do_not_grow_with_the_number_of_fields() -> None:
+    few, many = cuda_launches(5, 4096, floats), cuda_launches(50, 4096, floats)
+    assert 0 < few <= 12  # concatenate, min and max, shift, two sums, square (and a few fills)
     assert few == many
 
 

@@ -184,3 +184,17 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+
+
+def wait_for_file(path: str, who: str, timeout: float = 60.0) -> None:
+    """Block until ``path`` exists (a test's go signal to a publisher script); exit naming
+    ``who`` after ``timeout`` seconds."""
+    import sys
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not Path(path).exists():
+        if time.monotonic() > deadline:
+            sys.exit(f"{who}: {path} did not appear within {timeout:.0f} s")
+        time.sleep(0.01)
+

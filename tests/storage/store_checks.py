@@ -54,3 +54,18 @@ def check_store(location: StoreLocation, sim: Sim, spans: Spans, run: str, what:
     path = local_path(location)
     assert path is None or not list(path.rglob("*.partial")), what
     return len(keys)
+
+
+def replay(run: str, seed: int, steps: int, worlds: int = 6) -> tuple[Sim, Spans]:
+    """What a publisher script (``proxy_sim.py``, ``partition_pub.py``) running ``Sim`` with
+    this run, seed and steps published: the simulation and the spans of its messages."""
+    from broker import Broker
+
+    broker = Broker()
+    spans = Spans()
+    broker.subscribe("", spans)
+    sim = Sim(broker, worlds, run=run, seed=seed)
+    sim.step(steps)
+    sim.close()
+    return sim, spans
+

@@ -309,6 +309,7 @@ def test_commit_visibility(backend: Backend) -> None:
     sim.step(STEPS)  # more rows and episodes: written (fragments and pieces), never committed
     writer = daemon.runs["run-a"].primary
     daemon.runs["run-a"].queue.wait()
+    writer.row_arrays("obs")  # the uncommitted partial chunks too: every row appended is stored
     steps = zarr.open_array(open_store(backend.location, read_only=True), path="runs/run-a/data/obs/_step",
                             mode="r")
     rows = writer.rows("obs")

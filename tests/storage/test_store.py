@@ -321,7 +321,7 @@ def test_terms_that_require_grad_are_stored_in_process(broker: Broker) -> None:
 def test_zarrs_asynchronous_path_writes_the_same_store(tmp_path: Path) -> None:
     """The fallback for stores without zarr's synchronous protocols (fsspec URLs, or a zarr
     that moves them) writes the same chunk bytes as the synchronous path, read back exactly."""
-    from storage import _columns
+    from storage import _columns, _zarr_io
 
     stores = {}
     for enabled in (True, False):
@@ -331,7 +331,7 @@ def test_zarrs_asynchronous_path_writes_the_same_store(tmp_path: Path) -> None:
             path = tmp_path / f"sync-{enabled}.zarr"
             sim, _ = run_sim(broker, path, steps=60)
             arr = zarr.open_array(path / "runs/run-a/data/obs/state", mode="r+")
-            assert (_columns._ChunkEncoder.of(arr) is not None) == (enabled and _columns.SYNC_PATH)
+            assert (_zarr_io.ChunkEncoder.of(arr) is not None) == (enabled and _columns.SYNC_PATH)
         finally:
             _columns.sync_path(True)
         check_all(RunStore(path), sim)

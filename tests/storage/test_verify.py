@@ -1,0 +1,288 @@
+"""``worldtap-store verify`` and ``repair`` on real stores written by the daemon, damaged on
+purpose: verify names the damage and exits 7; repair keeps exactly the longest verified prefix
+of episodes (byte-equal to what was published), records the rest as a source-4 gap, and leaves
+a store that verifies, that a second repair does not touch, and that a daemon still serves.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pytest
+import zarr
+from procs import ENV
+from storage_sim import Sim, assert_episode_equal
+from store_checks import Spans
+
+from broker import Broker
+from storage import RunStore, StoreDaemon, StoreLock, repair_store, verify_store
+from storage.cli import main
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _write(path: Path, runs: tuple[str, ...] = ("run-a", "run-b")) -> tuple[dict[str, Sim], dict[str, Spans]]:
+    """Runs of a small simulation, in many small chunks; long episodes are flushed in
+    several segments (a small memory budget)."""
+    daemon = StoreDaemon(path, commit_interval=0.0, chunk_bytes=256, memory_budget=6000)
+    sims, spans = {}, {}
+    for i, run in enumerate(runs):
+        broker = Broker()
+        broker.subscribe("", daemon)
+        spans[run] = Spans()
+        broker.subscribe("", spans[run])
+        sim = Sim(broker, 4, run=run, seed=i, reset_p=0.1)
+        sim.step(40)
+        sim.close()
+        sims[run] = sim
+    daemon.close()
+    return sims, spans
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Sim], dict[str, Spans]]:
+    path = tmp_path_factory.mktemp("verify") / "base.zarr"
+    sims, spans = _write(path)
+    return path, sims, spans
+
+
+def _copy(base: Path, tmp_path: Path) -> Path:
+    path = tmp_path / "runs.zarr"
+    shutil.copytree(base, path)
+    return path
+
+
+def _files(path: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(path)): p.read_bytes() for p in sorted(path.rglob("*")) if p.is_file()}
+
+
+def _segments(path: Path, run: str) -> tuple[np.ndarray, np.ndarray, list[str]]:
+    """Plain zarr: per committed segment its episode row, topic and [offset, offset + rows)."""
+    group = zarr.open_group(str(path / "runs" / run), mode="r")
+    meta = group.attrs["worldtap_run"]
+    n = meta["committed"]["segments"]
+    cols = {c: np.asarray(group[f"segments/{c}"][:n]) for c in ("episode", "topic", "offset", "rows")}
+    return cols["episode"], np.stack([cols["topic"], cols["offset"], cols["offset"] + cols["rows"]], 1), \
+        meta["topics"]
+
+
+def _first_touching(path: Path, run: str, term: str, lo: int, hi: int) -> int:
+    """The first episode (commit order) with rows of ``term`` in ``[lo, hi)``: the longest
+    verified prefix when those rows are damaged."""
+    owner, segs, topics = _segments(path, run)
+    code = topics.index(term)
+    hit = (segs[:, 0] == code) & (segs[:, 1] < hi) & (segs[:, 2] > lo) & (segs[:, 2] > segs[:, 1])
+    return int(owner[hit].min())
+
+
+def _chunk(path: Path, run: str, array: str, k: int) -> tuple[Path, int, int]:
+    """Chunk file ``k`` of ``array`` and the rows it holds."""
+    arr = zarr.open_array(str(path / "runs" / run / array), mode="r")
+    key = arr.metadata.encode_chunk_key((k, *(0,) * (arr.ndim - 1)))
+    return path / "runs" / run / array / key, k * arr.chunks[0], (k + 1) * arr.chunks[0]
+
+
+def _flip(path: Path) -> int:
+    f, lo, hi = _chunk(path, "run-a", "data/obs/state", 3)
+    raw = bytearray(f.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    f.write_bytes(bytes(raw))
+    return _first_touching(path, "run-a", "obs", lo, hi)
+
+
+def _delete(path: Path) -> int:
+    f, lo, hi = _chunk(path, "run-a", "data/obs/nest%2Fx", 4)
+    f.unlink()
+    return _first_touching(path, "run-a", "obs", lo, hi)
+
+
+def _truncate(path: Path) -> int:
+    f, lo, hi = _chunk(path, "run-a", "data/obs/_step", 2)
+    f.write_bytes(f.read_bytes()[:7])
+    return _first_touching(path, "run-a", "obs", lo, hi)
+
+
+def _segments_chunk(path: Path) -> int:
+    f = path / "runs/run-a/segments/offset/c/0"
+    raw = bytearray(f.read_bytes())
+    raw[len(raw) // 3] ^= 0x55
+    f.write_bytes(bytes(raw))
+    return 0  # the segment table is one chunk: no episode's segments can be read
+
+
+def _array_metadata(path: Path) -> int:
+    (path / "runs/run-a/data/final/reward/zarr.json").write_text('{"zarr_format": 3, "node_ty')
+    return _first_touching(path, "run-a", "final", 0, 1 << 40)
+
+
+DAMAGE: dict[str, tuple[Callable[[Path], int], str]] = {
+    "flipped byte": (_flip, r"data/obs/state chunk 3 .*checksum"),
+    "deleted chunk": (_delete, r"data/obs/nest%2Fx chunk 4 .*missing"),
+    "truncated chunk": (_truncate, r"data/obs/_step chunk 2 .*cannot be read"),
+    "segments chunk": (_segments_chunk, r"segments/offset chunk 0 .*checksum"),
+    "array zarr.json": (_array_metadata, r"data/final/reward .*cannot be opened"),
+}
+
+
+def test_a_sound_store_verifies_clean(base: tuple[Path, dict[str, Sim], dict[str, Spans]]) -> None:
+    """Long (multi-segment) episodes and variation samples verify, every chunk of every run
+    read; a repair changes no byte."""
+    path, sims, _ = base
+    reader = RunStore(path)
+    assert int(reader.episodes("run-a")["segments"].max()) > 3  # flushed in fragments
+    assert reader.variation_samples("run-a", "friction")["world"].size > 0
+    report = verify_store(path)
+    assert report.sound, [str(p) for p in report.problems]
+    assert [(r.run, r.episodes, r.verified) for r in report.runs] == [
+        (run, len(sims[run].outcome), len(sims[run].outcome)) for run in ("run-a", "run-b")]
+    before = _files(path)
+    assert main(["verify", str(path)]) == 0
+    assert main(["repair", str(path)]) == 0
+    assert _files(path) == before
+
+
+@pytest.mark.parametrize("damage", sorted(DAMAGE))
+def test_repair_keeps_the_longest_verified_prefix(base: tuple[Path, dict[str, Sim], dict[str, Spans]],
+                                                  tmp_path: Path, damage: str,
+                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    src, sims, spans = base
+    path = _copy(src, tmp_path)
+    written = RunStore(path).episodes("run-a")
+    order = [(int(w), int(i)) for w, i in zip(written["world"], written["index"], strict=True)]
+    harm, message = DAMAGE[damage]
+    prefix = harm(path)
+    assert prefix < len(order)  # the damage reaches a committed episode
+
+    assert main(["verify", str(path)]) == 7
+    out = capsys.readouterr().out
+    assert f"run-a: DAMAGED, verified episodes {prefix}/{len(order)}" in out
+    assert "run-b: ok" in out
+    report = verify_store(path)
+    assert not report.sound
+    assert any(re.search(message, str(p)) for p in report.problems), \
+        [str(p) for p in report.problems]
+    assert {p.run for p in report.problems} == {"run-a"}
+
+    assert main(["repair", str(path)]) == 0
+    assert f"kept {prefix} episode(s), removed {len(order) - prefix}" in capsys.readouterr().out
+    reader = RunStore(path)
+    kept = reader.episodes("run-a")
+    assert [(int(w), int(i)) for w, i in zip(kept["world"], kept["index"], strict=True)] == order[:prefix]
+    for key, got in zip(order[:prefix], reader.read_episodes("run-a"), strict=True):
+        assert_episode_equal(got, sims["run-a"].arrays(key))
+    gaps = [g for g in reader.gaps("run-a").rows() if g["source"] == 4]
+    assert len(gaps) == 1
+    for key in order[prefix:]:  # every removed episode lies in the recorded range
+        a, b = spans["run-a"].first[key], spans["run-a"].last[key]
+        assert gaps[0]["expected"] <= a, (key, gaps)
+        assert b < gaps[0]["received"], (key, gaps)
+    repaired = reader.info("run-a")["repaired"]
+    assert repaired["removed_episodes"] == len(order) - prefix
+    for key in sims["run-b"].outcome:  # the other run is untouched
+        assert_episode_equal(reader.episode("run-b", *key), sims["run-b"].arrays(key))
+
+    assert verify_store(path).sound
+    assert main(["verify", str(path)]) == 0
+    before = _files(path)
+    assert main(["repair", str(path)]) == 0  # idempotent
+    assert _files(path) == before
+
+    daemon = StoreDaemon(path, commit_interval=0.0, chunk_bytes=256)  # the store still serves
+    broker = Broker()
+    broker.subscribe("", daemon)
+    sim = Sim(broker, 4, run="run-c", seed=7)
+    sim.step(20)
+    sim.close()
+    daemon.close()
+    reader = RunStore(path)
+    assert len(reader.episodes("run-c")) == len(sim.outcome)
+    for key in sim.outcome:
+        assert_episode_equal(reader.episode("run-c", *key), sim.arrays(key))
+    assert verify_store(path).sound
+
+
+def test_damaged_run_attributes_are_reported_and_left_alone(
+        base: tuple[Path, dict[str, Sim], dict[str, Spans]], tmp_path: Path,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """No index, no prefix to keep: repair says so (exit 7) and writes nothing."""
+    path = _copy(base[0], tmp_path)
+    meta = path / "runs/run-a/zarr.json"
+    doc = json.loads(meta.read_text())
+    doc["attributes"]["worldtap_run"]["committed"] = "garbage"
+    meta.write_text(json.dumps(doc))
+    report = verify_store(path)
+    assert [(r.run, r.sound, r.repairable) for r in report.runs] == [("run-b", True, True),
+                                                                     ("run-a", False, False)]
+    assert "attributes are not a worldtap run's" in str(report.problems[0])
+    assert main(["verify", str(path)]) == 7
+    capsys.readouterr()
+    before = _files(path)
+    assert main(["repair", str(path)]) == 7
+    assert "run 'run-a': cannot be repaired" in capsys.readouterr().out
+    assert _files(path) == before
+
+
+def test_damaged_variation_samples_are_cut_not_the_episodes(
+        base: tuple[Path, dict[str, Sim], dict[str, Spans]], tmp_path: Path) -> None:
+    path = _copy(base[0], tmp_path)
+    f = path / "runs/run-a/variations/friction/value/c/0"
+    f.write_bytes(f.read_bytes()[:-3])
+    report = verify_store(path)
+    assert report.problems
+    assert all("variations/friction/value chunk 0" in str(p) for p in report.problems)
+    n = len(RunStore(path).episodes("run-a"))
+    _, repairs = repair_store(path)
+    assert [(r.run, r.removed_episodes) for r in repairs] == [("run-a", 0)]
+    reader = RunStore(path)
+    assert len(reader.episodes("run-a")) == n
+    assert len(reader.variation_samples("run-a", "friction")) == 0
+    assert reader.info("run-a")["repaired"]["removed_samples"] == {
+        "friction": len(RunStore(base[0]).variation_samples("run-a", "friction"))}
+    assert verify_store(path).sound
+
+
+def test_repair_refuses_a_store_a_daemon_holds(base: tuple[Path, dict[str, Sim], dict[str, Spans]],
+                                              tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = _copy(base[0], tmp_path)
+    _flip(path)
+    before = _files(path)
+    with StoreLock(path):  # the lock a daemon on this store holds
+        assert main(["repair", str(path)]) == 3
+        err = capsys.readouterr().err
+        assert "is locked by another storage daemon" in err
+        assert len(err.strip().splitlines()) == 1
+        assert main(["repair", "--dry-run", str(path)]) == 7  # a dry run only reads
+    assert _files(path) == before
+
+
+def test_verify_and_repair_through_the_installed_command(
+        base: tuple[Path, dict[str, Sim], dict[str, Spans]], tmp_path: Path) -> None:
+    path = _copy(base[0], tmp_path)
+    prefix = _delete(path)
+    exe = shutil.which("worldtap-store")
+    cmd = [exe] if exe else [sys.executable, "-m", "storage"]
+
+    def run(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([*cmd, *args], capture_output=True, text=True, env=ENV, timeout=60,
+                              check=False)
+
+    out = run("verify", "--json", str(path))
+    assert out.returncode == 7, out.stderr
+    doc = json.loads(out.stdout)
+    assert doc["sound"] is False
+    assert (doc["runs"][0]["run"], doc["runs"][0]["verified"]) == ("run-a", prefix)
+    assert doc["runs"][0]["problems"][0]["array"] == "data/obs/nest%2Fx"
+    fixed = run("repair", "--run", "run-a", str(path))
+    assert fixed.returncode == 0, fixed.stderr
+    again = run("verify", str(path))
+    assert again.returncode == 0, again.stdout
+    missing = run("verify", "--run", "nope", str(path))
+    assert missing.returncode == 2
+    assert "Traceback" not in missing.stderr + out.stderr + fixed.stderr
