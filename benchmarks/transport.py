@@ -235,6 +235,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--slots", type=int, default=8, help="ZmqPublisher staging slots")
     parser.add_argument("--hwm", type=int, default=64, help="ZmqPublisher send high-water mark")
     args = parser.parse_args(argv)
+    if torch.device(args.device).type != "cpu":
+        parser.error("--device: transport publishes host tensors (it measures the wire); "
+                     "benchmarks.staging measures the device copy")
     torch.set_num_threads(args.threads)
     trials = args.trials or max(5, int(args.seconds * 10))
     ctx = mp.get_context("spawn")

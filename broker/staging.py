@@ -5,6 +5,15 @@ the sender thread, then by the sender until :meth:`StagingRing.release`, and the
 until the slot's message tracker is done (frames are sent zero-copy out of the slot). Only then
 is the slot reused, so the bytes a subscriber receives are the bytes that were staged: a slot
 whose tracker is still pending is refused (and keeps its tracker) however often it is asked for.
+
+CUDA tensors are staged in two copies. On the simulation's current stream they are copied
+device to device into the slot's device buffer (microseconds: the simulation may overwrite its
+tensors as soon as ``stage`` returns, and its stream never waits for a host copy); a side
+stream then copies that buffer to the slot's pinned host buffer and records the slot's event
+(a blocking event: the sender thread sleeps on it rather than spinning a core). The device
+buffer is only written again once the slot is reused, that is after the sender waited on the
+event. Where the device buffer cannot be allocated (out of device memory), the slot copies
+device to host directly on the side stream and the current stream waits for that copy.
 """
 
 from __future__ import annotations
@@ -23,6 +32,9 @@ import zmq
 __all__ = ["PLANS_PER_SLOT", "Layout", "Plan", "Slot", "Staged", "StagingRing", "Tracker"]
 
 _ALIGN: Final = 64
+_SPAN_SLACK: Final = 1 << 20
+"""Bytes of padding or unused rows a single device-to-host copy of a slot's span may carry
+rather than one copy per tensor."""
 PLANS_PER_SLOT: Final = 16
 """Message shapes whose layout a slot remembers (least recently used first out): per-step
 batches repeat a few shapes; reset batches and episode ends bring a new shape almost every time."""
@@ -76,10 +88,12 @@ leading dimension when every tensor has one and they all agree (a batch's worlds
 class Slot:
     """One staging buffer (pinned when it has held CUDA tensors)."""
 
-    __slots__ = ("array", "buffer", "busy", "event", "framed", "plans", "recent", "tracker", "views")
+    __slots__ = ("array", "buffer", "busy", "device_buffer", "event", "framed", "plans", "recent",
+                 "tracker", "views")
 
     def __init__(self) -> None:
         self.buffer: torch.Tensor | None = None
+        self.device_buffer: torch.Tensor | None = None  # CUDA staging: the device-side copy
         # PlanKey -> its plan: messages of one topic repeat their dtypes and (trailing) shapes.
         # Bounded (LRU): messages of ever new shapes would otherwise add a plan each.
         self.plans: collections.OrderedDict[PlanKey, Plan] = collections.OrderedDict()
@@ -101,6 +115,25 @@ class Slot:
             self.framed = None
         return self.buffer
 
+    def ensure_device(self, nbytes: int, device: torch.device, side: Any) -> torch.Tensor | None:
+        """The device buffer on ``device`` (reallocated if too small or elsewhere; the plans
+        are dropped then, their views point into the old one), or ``None`` when it cannot be
+        allocated. ``side``: the stream that reads it (the allocator waits for that stream's
+        reads before it reuses the memory of a buffer given up)."""
+        old = self.device_buffer
+        if old is not None and old.device == device and old.numel() >= nbytes:
+            return old
+        self.device_buffer = None
+        try:
+            buffer = torch.empty(max(nbytes, 4096), dtype=torch.uint8, device=device)
+        except torch.cuda.OutOfMemoryError:
+            return None
+        buffer.record_stream(side)
+        self.device_buffer = buffer
+        self.plans.clear()
+        self.recent = None
+        return buffer
+
     def frame(self, offset: int, nbytes: int) -> memoryview:
         """A zero-copy view of staged bytes."""
         return self.array[offset:offset + nbytes].data  # type: ignore[no-any-return]
@@ -120,13 +153,18 @@ class Plan:
     for ``capacity`` leading rows when the leading dimension varies) and bytes per row, and
     destination views (torch, and numpy for strided sources) of those with any bytes."""
 
-    __slots__ = ("address", "capacity", "host", "layout", "offsets", "pinned", "row_bytes", "rows", "views")
+    __slots__ = ("address", "capacity", "device", "device_views", "host", "layout", "offsets", "pinned",
+                 "row_bytes", "rows", "views")
 
     def __init__(self, offsets: list[int], row_bytes: list[int], capacity: int, views: list[torch.Tensor | None],
-                 address: int, pinned: bool) -> None:
+                 address: int, pinned: bool, device: torch.device | None = None,
+                 device_views: list[torch.Tensor | None] | None = None) -> None:
         self.offsets, self.row_bytes, self.capacity, self.views = offsets, row_bytes, capacity, views
         self.host: list[Any] = [None if v is None else _host_array(v) for v in views]  # numpy, or None
         self.address, self.pinned = address, pinned
+        # CUDA plans: the device the message's tensors are on, and views of the slot's device
+        # buffer at the same offsets (``None`` when the slot copies directly to the host).
+        self.device, self.device_views = device, device_views
         self.rows = -1
         self.layout: Layout = []
 
@@ -227,12 +265,12 @@ class StagingRing:
             key = (*[(t.dtype, s[1:]) for t, s in zip(tensors, shapes, strict=True)], "rows")
         plans = slot.plans
         plan = plans.get(key)
-        if plan is None or (cuda is not None and not plan.pinned) or (rows or 1) > plan.capacity:
+        if plan is None or (cuda is not None and plan.device != cuda) or (rows or 1) > plan.capacity:
             if rows is None or plan is None:
                 capacity = rows or 1
             else:  # grown by doubling, so that growing numbers of rows rebuild it a few times only
                 capacity = max(rows, 2 * plan.capacity) if rows > plan.capacity else plan.capacity
-            plan = self._plan(slot, tensors, shapes, rows is not None, capacity, pinned=cuda is not None)
+            plan = self._plan(slot, tensors, shapes, rows is not None, capacity, cuda)
             plans[key] = plan  # after _plan: a reallocated buffer clears the plans
             plans.move_to_end(key)
             if len(plans) > PLANS_PER_SLOT:
@@ -243,11 +281,7 @@ class StagingRing:
             slot.recent = plan
         layout = plan.layout_for(1 if rows is None else rows)
         if cuda is not None:
-            used = [i for i, (_, nbytes) in enumerate(layout) if nbytes]
-            views = [plan.views[i] for i in used]
-            if rows is not None and rows != plan.capacity:
-                views = [v[:rows] for v in views]  # type: ignore[index]
-            return layout, self._stage_cuda(slot, views, [tensors[i] for i in used], cuda)  # type: ignore[arg-type]
+            return layout, self._stage_cuda(slot, plan, layout, tensors, rows, cuda)
         address = plan.address
         for src, (offset, nbytes), host in zip(tensors, layout, plan.host, strict=True):
             if not nbytes:
@@ -259,9 +293,11 @@ class StagingRing:
         return layout, None
 
     def _plan(self, slot: Slot, tensors: list[torch.Tensor], shapes: list[torch.Size], leading: bool,
-              capacity: int, pinned: bool) -> Plan:
+              capacity: int, cuda: torch.device | None) -> Plan:
         """A plan for ``capacity`` leading rows (``leading``: the shapes' first dimension varies
-        between messages of the plan) or for exactly these shapes."""
+        between messages of the plan) or for exactly these shapes; ``cuda``: the device of a
+        message with CUDA tensors (the host buffer is pinned and a device buffer laid out alike)."""
+        pinned = cuda is not None
         self.plans_built += 1
         offsets: list[int] = []
         row_bytes: list[int] = []
@@ -271,31 +307,81 @@ class StagingRing:
             offsets.append(offset)
             row_bytes.append(size)
             offset += -(-(size * capacity) // _ALIGN) * _ALIGN
+        device_buffer = None if cuda is None else slot.ensure_device(offset, cuda, self._stream(cuda))
         buffer = slot.ensure(offset, pinned=pinned)
-        views: list[torch.Tensor | None] = [
-            buffer[o:o + size * capacity].view(t.dtype).view((capacity, *shape[1:]) if leading else shape)
-            if size else None
-            for t, shape, o, size in zip(tensors, shapes, offsets, row_bytes, strict=True)]
-        return Plan(offsets, row_bytes, capacity, views, int(buffer.data_ptr()), pinned and buffer.is_pinned())
 
-    def _stage_cuda(self, slot: Slot, views: list[torch.Tensor], sources: list[torch.Tensor],
-                    device: torch.device) -> Any:
-        """Copy into the pinned slot on a side stream. The simulation's stream waits for the
-        copy on the GPU (so it may overwrite the tensors at once); the simulation thread does
-        not wait; the sender thread waits on the slot's event."""
+        def views_of(buffer: torch.Tensor) -> list[torch.Tensor | None]:
+            return [buffer[o:o + size * capacity].view(t.dtype).view((capacity, *shape[1:]) if leading else shape)
+                    if size else None
+                    for t, shape, o, size in zip(tensors, shapes, offsets, row_bytes, strict=True)]
+
+        return Plan(offsets, row_bytes, capacity, views_of(buffer), int(buffer.data_ptr()),
+                    pinned and buffer.is_pinned(), cuda, None if device_buffer is None else views_of(device_buffer))
+
+    def _stream(self, device: torch.device) -> Any:
+        """The side stream of ``device`` that copies staged tensors to the host."""
         stream = self._streams.get(device)
         if stream is None:
             stream = self._streams[device] = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
+        return stream
+
+    def _stage_cuda(self, slot: Slot, plan: Plan, layout: Layout, tensors: list[torch.Tensor], rows: int | None,
+                    device: torch.device) -> Any:
+        """Stage a message with tensors on ``device`` (see the module docstring); returns the
+        event the sender waits on before it reads the slot."""
+        stream = self._stream(device)
         current = torch.cuda.current_stream(device)
-        stream.wait_stream(current)
-        with torch.cuda.stream(stream):
-            if views:
-                torch._foreach_copy_(views, sources, non_blocking=True)
+        sliced = rows is not None and rows != plan.capacity
+        on_device: list[int] = []  # tensors on ``device``: through the device buffer, if any
+        for i, (src, (_, nbytes)) in enumerate(zip(tensors, layout, strict=True)):
+            if not nbytes:
+                continue
+            if src.device == device:
+                on_device.append(i)
+            elif not src.is_cuda:  # a host tensor of the message: straight into the slot
+                host = plan.host[i]
+                np.copyto(host[:rows] if sliced else host, _host_array(src), casting="no")
+            else:  # another device's tensor: rare, copied synchronously
+                view = plan.views[i]
+                assert view is not None
+                (view[:rows] if sliced else view).copy_(src)
         if slot.event is None:
-            slot.event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            slot.event = torch.cuda.Event(blocking=True)  # type: ignore[no-untyped-call]
+        if plan.device_views is None:  # no device buffer: device to host on the side stream
+            stream.wait_stream(current)
+            with torch.cuda.stream(stream):
+                if on_device:
+                    torch._foreach_copy_([self._rows(plan.views[i], rows, sliced) for i in on_device],
+                                         [tensors[i] for i in on_device], non_blocking=True)
+            slot.event.record(stream)
+            current.wait_event(slot.event)  # the sources may be overwritten once it is done
+            return slot.event
+        if on_device:  # device to device on the simulation's stream: ordered before its next writes
+            torch._foreach_copy_([self._rows(plan.device_views[i], rows, sliced) for i in on_device],
+                                 [tensors[i] for i in on_device], non_blocking=True)
+        stream.wait_stream(current)  # the side stream waits for the device copy only
+        with torch.cuda.stream(stream):
+            if on_device:
+                first, last = layout[on_device[0]][0], layout[on_device[-1]][0] + layout[on_device[-1]][1]
+                used_bytes = sum(layout[i][1] for i in on_device)
+                host, dev = slot.buffer, slot.device_buffer
+                assert host is not None
+                assert dev is not None
+                whole = len(on_device) == sum(1 for _, nbytes in layout if nbytes)
+                if whole and last - first - used_bytes <= max(used_bytes >> 2, _SPAN_SLACK):
+                    # one copy of the span (alignment padding and a few unused rows included)
+                    host[first:last].copy_(dev[first:last], non_blocking=True)
+                else:  # host tensors lie between them, or the span is mostly unused rows
+                    for i in on_device:
+                        offset, nbytes = layout[i]
+                        host[offset:offset + nbytes].copy_(dev[offset:offset + nbytes], non_blocking=True)
         slot.event.record(stream)
-        current.wait_event(slot.event)
         return slot.event
+
+    @staticmethod
+    def _rows(view: torch.Tensor | None, rows: int | None, sliced: bool) -> torch.Tensor:
+        assert view is not None
+        return view[:rows] if sliced else view
 
     def close(self) -> None:
         """Wake and fail every waiter (the sender thread has stopped)."""

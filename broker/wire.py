@@ -35,6 +35,7 @@ from __future__ import annotations
 import collections
 import math
 import sys
+import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
@@ -129,6 +130,8 @@ _NAMED: Final[Mapping[str, str]] = {"batch": "fields", "episode_end": "outcomes"
 
 Spec = tuple[str, str, tuple[int, ...]]
 """``(name, dtype name, shape)`` of one tensor on the wire."""
+TensorSpec = tuple[str, str, tuple[int, ...], int]
+"""``(name, dtype name, shape, frame index)`` of one decoded tensor."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -677,9 +680,37 @@ def _check_head(topic: str, head: dict[str, Any]) -> str:
     return str(kind)
 
 
-def _specs(topic: str, head: dict[str, Any], key: str,
-           limit: int) -> list[tuple[str, str, tuple[int, ...], int]]:
+_SPEC_CACHE_SIZE: Final = 256
+_spec_cache: collections.OrderedDict[tuple[str, int, bytes], list[TensorSpec]] = collections.OrderedDict()
+_spec_lock: Final = threading.Lock()
+"""Checked specs of recently seen header entries, keyed on the header key, the size limit and
+the entries packed again with msgpack (which, unlike ``==``, tells ``true`` from ``1`` and
+``1.0``): only entries that passed :func:`_check_specs` under that limit are cached."""
+
+
+def _specs(topic: str, head: dict[str, Any], key: str, limit: int) -> list[TensorSpec]:
+    """The checked ``(name, dtype, shape, frame index)`` of header key ``key``'s entries, from
+    the cache when the same entries were checked under the same limit before (borrowed: never
+    mutate the result)."""
     entries = head.get(key)
+    try:
+        cache_key = (key, limit, msgpack.packb(entries, use_bin_type=True))
+    except (TypeError, ValueError, OverflowError, msgpack.PackException):  # pragma: no cover
+        return _check_specs(topic, key, entries, limit)
+    with _spec_lock:
+        specs = _spec_cache.get(cache_key)
+        if specs is not None:
+            _spec_cache.move_to_end(cache_key)
+            return specs
+    specs = _check_specs(topic, key, entries, limit)
+    with _spec_lock:
+        _spec_cache[cache_key] = specs
+        if len(_spec_cache) > _SPEC_CACHE_SIZE:
+            _spec_cache.popitem(last=False)
+    return specs
+
+
+def _check_specs(topic: str, key: str, entries: Any, limit: int) -> list[TensorSpec]:
     if not isinstance(entries, list):
         raise _fail("header", f"topic {topic!r}: header key {key!r} must be a list, got {shown(entries)}")
     out = []
@@ -723,7 +754,7 @@ def _array(topic: str, name: str, dtype_name: str, shape: tuple[int, ...], frame
         array = np.empty(shape, dtype)
     else:
         array = np.frombuffer(view, dtype=dtype).reshape(shape)
-        if array.ctypes.data % dtype.itemsize:  # tiny frames may sit unaligned inside the message
+        if not array.flags.aligned:  # tiny frames may sit unaligned inside the message
             array = array.copy()
     return array.view(BFloat16Bits) if dtype_name == "bfloat16" else array
 
@@ -734,14 +765,13 @@ def _tensor(topic: str, name: str, dtype_name: str, shape: tuple[int, ...], fram
     import torch
 
     dtype = DTYPES[dtype_name]
-    itemsize = dtype.itemsize
     if _check_frame(topic, name, dtype_name, shape, view) == 0:
         return torch.empty(shape, dtype=dtype)
     source: Any = frame if not view.readonly else bytearray(view)
     # One torch call per tensor (two for bfloat16): each releases the GIL, and taking it back
     # from the daemon's writer threads can cost up to a switch interval.
     array = np.frombuffer(source, dtype=_NUMPY[dtype_name]).reshape(shape)
-    if array.ctypes.data % itemsize:  # tiny frames may sit unaligned inside the message
+    if not array.flags.aligned:  # tiny frames may sit unaligned inside the message
         array = array.copy()
     tensor = torch.from_numpy(array)
     return tensor if tensor.dtype == dtype else tensor.view(dtype)

@@ -621,6 +621,8 @@ class ZmqPublisher:
 
     def _send(self, sock: zmq.Socket[Any], item: Staged) -> None:
         slot = item.slot
+        if item.event is not None:  # the slot's staging copy is done (also before a drop: the
+            item.event.synchronize()  # slot may next be written by the host)
         limit = self._limit
         if limit is not None and item.nbytes > limit:
             self._send_drops += 1
@@ -636,8 +638,6 @@ class ZmqPublisher:
         frames: list[Any] = [item.topic, item.header]
         trackers: list[zmq.Frame] = []
         if slot is not None:
-            if item.event is not None:
-                item.event.synchronize()
             # Frames at or above the copy threshold go zero-copy out of the slot; ZeroMQ
             # releases the parts of a message in order, so tracking the last one covers all.
             frames += slot.frames(item.layout)

@@ -12,12 +12,13 @@ from .errors import (
 )
 from .gymnasium import RecordingVectorEnv
 from .recorder import Recorder
-from .selectors import WorldSelector, normalize_worlds
+from .selectors import CheckMode, WorldsCheck, WorldSelector, normalize_worlds
 from .terms import FieldTree, FunctionTerm, Term, flatten_fields
 
 __all__ = [
     "CaptureError",
     "CartPoleRandomizer",
+    "CheckMode",
     "FieldTree",
     "FunctionTerm",
     "Recorder",
@@ -29,6 +30,7 @@ __all__ = [
     "TermError",
     "VariationError",
     "WorldSelector",
+    "WorldsCheck",
     "flatten_fields",
     "normalize_worlds",
 ]

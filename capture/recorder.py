@@ -29,7 +29,7 @@ from broker import SchemaError as BrokerSchemaError
 from broker.messages import Hook
 
 from .errors import RecorderClosedError, SchemaError, TermError
-from .selectors import WorldSelector, normalize_worlds
+from .selectors import CHECK_MODES, CheckMode, WorldsCheck, WorldSelector, normalize_worlds
 from .terms import HOOKS, ISAACLAB_PREFIX, flatten_fields, pair_fields
 
 __all__ = ["Recorder"]
@@ -90,6 +90,11 @@ class Recorder:
         metadata: User metadata for ``RunStart`` (msgpack-able values only if sent over ZeroMQ).
         seed: The run seed, in ``[0, 2**64)``, recorded with the run; variations without a
             seed of their own derive theirs from it and their key.
+        worlds_check: How world index tensors given to the record calls are checked (see
+            :mod:`capture.selectors`): ``"auto"`` (default: on the device, without a sync,
+            for index tensors on a CUDA device; on the host otherwise), ``"host"`` (reported
+            at the call; a device sync per call on CUDA), ``"device"`` (reported at a later
+            call or at :meth:`check_worlds`/:meth:`close`), ``"trusted"`` (no check).
     """
 
     def __init__(
@@ -101,9 +106,13 @@ class Recorder:
         run: str | None = None,
         metadata: Mapping[str, Any] | None = None,
         seed: int = 0,
+        worlds_check: CheckMode = "auto",
     ) -> None:
         if isinstance(num_worlds, bool) or not isinstance(num_worlds, int) or num_worlds <= 0:
             raise ValueError(f"num_worlds: expected a positive int, got {num_worlds!r}")
+        if worlds_check not in CHECK_MODES:
+            raise ValueError(f"worlds_check: expected one of {', '.join(CHECK_MODES)}, got {worlds_check!r}")
+        self.worlds_check: CheckMode = worlds_check
         if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**64:
             raise ValueError(f"seed: expected an int in [0, 2**64), got {seed!r}")
         self.seed = seed
@@ -124,6 +133,8 @@ class Recorder:
         self._episode = torch.zeros(num_worlds, device=self.device, dtype=torch.int64)
         self._length = torch.zeros(num_worlds, device=self.device, dtype=torch.int64)
         self._false = torch.zeros(num_worlds, device=self.device, dtype=torch.bool)
+        on_device = worlds_check == "device" or (worlds_check == "auto" and self.device.type == "cuda")
+        self._device_check = WorldsCheck(num_worlds, self.device) if on_device else None
         self._seq = itertools.count()
         self._step = 0
         self._started = False
@@ -262,7 +273,24 @@ class Recorder:
 
     def select(self, worlds: WorldSelector, *, name: str = "worlds") -> torch.Tensor:
         """Normalize a world selector (see :mod:`capture.selectors`) on this recorder's device."""
-        return normalize_worlds(worlds, self.num_worlds, self.device, name=name, all_worlds=self._all)
+        if self._device_check is None or not isinstance(worlds, torch.Tensor):
+            return normalize_worlds(worlds, self.num_worlds, self.device, name=name, all_worlds=self._all,
+                                    check=self.worlds_check)
+        return normalize_worlds(worlds, self.num_worlds, self.device, name=name, all_worlds=self._all,
+                                check=self.worlds_check, device_check=self._device_check,
+                                what=f"{name} of a record call at step {self._step} of run {self.run!r}")
+
+    def check_worlds(self) -> None:
+        """Wait for the world index tensors checked on the device so far (``worlds_check``
+        ``"device"``, or ``"auto"`` on CUDA) and raise for the first bad one; a no-op when
+        they are checked on the host.
+
+        Raises:
+            SelectorError: An index tensor given earlier held an index out of range or a
+                duplicate.
+        """
+        if self._device_check is not None:
+            self._device_check.wait()
 
     def schema(self) -> dict[str, dict[str, FieldSpec]]:
         """Topic -> field -> spec, for every topic that has published a batch (fields in each
@@ -439,6 +467,8 @@ class Recorder:
                    wall_time=time.time(), interrupted=interrupted)
         )
         self._closed = True
+        if not interrupted:  # a bad index tensor checked on the device is reported at the latest here
+            self.check_worlds()
 
     def __enter__(self) -> Recorder:
         return self

@@ -6,26 +6,142 @@ Everything becomes a 1-D int64 index tensor on the recorder's device, in the ord
 Anything else (an index out of ``[0, num_worlds)``, a duplicate, a non-integer dtype, a mask
 of another length, a slice with a zero step or non-int bounds) raises :class:`SelectorError`
 (a ``ValueError``) naming the argument, what was expected and what was received.
+
+Checking an index tensor's values needs them. ``check="host"`` reads them (on CUDA a device
+sync per call: vectorized RL resets some world nearly every step). ``check="device"`` (the
+default for index tensors already on a CUDA device, see :class:`WorldsCheck`) checks them
+with a few kernels on the device and reads the verdict later without a sync: a bad index
+tensor raises :class:`SelectorError` at a later call (as soon as the check's copy has landed,
+and at the latest at :meth:`WorldsCheck.wait`, which ``Recorder.close`` calls); its indices
+are clamped into range meanwhile so that no device-side assert fires. ``check="trusted"``
+checks nothing (an out-of-range index then fails inside a kernel). A boolean mask always
+costs one device read: the number of worlds it selects sizes everything after it (pass the
+index tensor your environment already made when that matters).
 """
 
 from __future__ import annotations
 
+import collections
 import itertools
 import numbers
 from collections import Counter
 from collections.abc import Sequence
-from typing import TypeAlias
+from typing import Any, Final, Literal, TypeAlias
 
 import numpy as np
 import torch
 
 from .errors import SelectorError
 
-__all__ = ["WorldSelector", "normalize_worlds"]
+__all__ = ["CheckMode", "WorldSelector", "WorldsCheck", "normalize_worlds"]
 
 WorldSelector: TypeAlias = (
     int | Sequence[int] | range | slice | torch.Tensor | np.ndarray | None
 )
+CheckMode: TypeAlias = Literal["auto", "host", "device", "trusted"]
+"""How index tensors are checked: ``auto`` (``device`` for tensors on a CUDA device, else
+``host``), ``host``, ``device`` or ``trusted`` (module docstring)."""
+CHECK_MODES: Final = ("auto", "host", "device", "trusted")
+_OUT_OF_RANGE: Final = 1
+_DUPLICATE: Final = 2
+
+
+class WorldsCheck:
+    """Checks of index tensors on their device, read back without a device sync.
+
+    Each :meth:`check` queues a few kernels that compute a verdict (out of range, duplicates)
+    and a non-blocking copy of it into a pinned host slot behind a CUDA event; :meth:`poll`
+    reads the verdicts whose copies have landed (``event.query()``, no sync) and raises for the
+    first bad one. On CPU the verdict is read at once. At most ``depth`` checks are in flight;
+    a check that would reuse a slot whose copy is still pending waits for it (a blocking event).
+
+    Args:
+        num_worlds: Indices must lie in ``[0, num_worlds)``.
+        device: The device the index tensors are on.
+        depth: Checks in flight at most.
+    """
+
+    def __init__(self, num_worlds: int, device: torch.device | str, depth: int = 64) -> None:
+        self.num_worlds = num_worlds
+        self.device = torch.device(device)
+        self.depth = depth
+        cuda = self.device.type == "cuda"
+        self._counts = torch.zeros(num_worlds, dtype=torch.int32, device=self.device)
+        self._ones = torch.ones(num_worlds, dtype=torch.int32, device=self.device)
+        self._host = torch.zeros(depth, dtype=torch.int32, pin_memory=cuda)
+        self._events: list[Any] = [torch.cuda.Event(blocking=True) if cuda else None  # type: ignore[no-untyped-call]
+                                   for _ in range(depth)]
+        self._pending: collections.deque[tuple[int, str]] = collections.deque()  # (slot, what was checked)
+        self._next = 0
+        self.checks = 0
+        """Index tensors checked so far."""
+
+    def check(self, index: torch.Tensor, what: str) -> torch.Tensor:
+        """Queue the check of the int64 index tensor ``index`` (on this device), described by
+        ``what`` in a later error; returns ``index`` clamped into ``[0, num_worlds)``.
+
+        Raises:
+            SelectorError: An earlier check (or, on CPU, this one) found a bad index tensor.
+        """
+        self.poll()
+        if len(self._pending) == self.depth:  # the next slot's verdict is still unread
+            self.poll(wait=True, upto=1)
+        n = self.num_worlds
+        k = index.shape[0]
+        outside = ((index < 0) | (index >= n)).any()
+        clamped = index.clamp(0, n - 1)
+        if k > self._ones.shape[0]:  # more indices than worlds: a duplicate or one out of range
+            self._ones = torch.ones(k, dtype=torch.int32, device=self.device)
+        counts = self._counts
+        counts.zero_()
+        counts.index_add_(0, clamped, self._ones[:k])
+        verdict = outside.to(torch.int32) * _OUT_OF_RANGE + (counts > 1).any().to(torch.int32) * _DUPLICATE
+        slot = self._next
+        self._next = (slot + 1) % self.depth
+        event = self._events[slot]
+        self._host[slot].copy_(verdict, non_blocking=event is not None)
+        if event is not None:
+            event.record(torch.cuda.current_stream(self.device))
+        self._pending.append((slot, what))
+        self.checks += 1
+        if event is None:
+            self.poll()
+        return clamped
+
+    def poll(self, wait: bool = False, upto: int | None = None) -> None:
+        """Read the verdicts that have landed (all of them, or the oldest ``upto``, when
+        ``wait``) and raise for the first bad one.
+
+        Raises:
+            SelectorError: A checked index tensor held an index out of range or a duplicate.
+        """
+        read = 0
+        while self._pending and (upto is None or read < upto):
+            slot, what = self._pending[0]
+            event = self._events[slot]
+            if event is not None and not event.query():
+                if not wait:
+                    return
+                event.synchronize()
+            self._pending.popleft()
+            read += 1
+            verdict = int(self._host[slot])
+            if verdict:
+                problems = [text for bit, text in ((_OUT_OF_RANGE, f"indices out of [0, {self.num_worlds})"),
+                                                    (_DUPLICATE, "duplicate indices")) if verdict & bit]
+                raise SelectorError(
+                    f"{what}: expected distinct world indices in [0, {self.num_worlds}), got "
+                    f"{' and '.join(problems)} (checked on the device, so reported after the call; "
+                    f"its indices were clamped into range and what it recorded is not reliable; "
+                    f"check='host' finds it at the call)")
+
+    def wait(self) -> None:
+        """Read every verdict in flight (waits for them) and raise for the first bad one.
+
+        Raises:
+            SelectorError: A checked index tensor held an index out of range or a duplicate.
+        """
+        self.poll(wait=True)
 
 
 def _describe(values: Sequence[int], limit: int = 8) -> str:
@@ -62,6 +178,9 @@ def normalize_worlds(
     *,
     name: str = "worlds",
     all_worlds: torch.Tensor | None = None,
+    check: CheckMode = "auto",
+    device_check: WorldsCheck | None = None,
+    what: str | None = None,
 ) -> torch.Tensor:
     """Normalize ``selector`` into a 1-D int64 index tensor on ``device``.
 
@@ -71,6 +190,10 @@ def normalize_worlds(
         device: Device of the returned tensor.
         name: The argument's name, used in error messages.
         all_worlds: Cached ``arange(num_worlds)`` to return for ``None``.
+        check: How an index tensor's values are checked (module docstring); ``device`` needs
+            ``device_check`` (else it checks on the host).
+        device_check: The :class:`WorldsCheck` of ``device``, for ``check`` ``device``/``auto``.
+        what: How a deferred error names this call (default: ``name``).
 
     Returns:
         The index tensor; empty when the selection is empty.
@@ -106,7 +229,7 @@ def normalize_worlds(
         # Native byte order (torch refuses the other one), contiguous (torch needs strides >= 0).
         selector = torch.from_numpy(np.ascontiguousarray(selector, dtype=selector.dtype.newbyteorder("=")))
     if isinstance(selector, torch.Tensor):
-        return _normalize_tensor(selector, num_worlds, device, name)
+        return _normalize_tensor(selector, num_worlds, device, name, check, device_check, what)
     if isinstance(selector, Sequence) and not isinstance(selector, str | bytes):
         items = list(selector)
         wrong = [v for v in items if isinstance(v, bool | np.bool_) or not isinstance(v, numbers.Integral)]
@@ -124,7 +247,8 @@ def normalize_worlds(
     )
 
 
-def _normalize_tensor(t: torch.Tensor, num_worlds: int, device: torch.device, name: str) -> torch.Tensor:
+def _normalize_tensor(t: torch.Tensor, num_worlds: int, device: torch.device, name: str, check: CheckMode,
+                      device_check: WorldsCheck | None, what: str | None) -> torch.Tensor:
     if t.dtype == torch.bool:
         if t.dim() != 1 or t.shape[0] != num_worlds:
             raise SelectorError(
@@ -139,6 +263,14 @@ def _normalize_tensor(t: torch.Tensor, num_worlds: int, device: torch.device, na
         raise SelectorError(f"{name}: expected a 1-D index tensor, got shape {tuple(t.shape)}")
     if t.numel() == 0:
         return torch.empty(0, device=device, dtype=torch.int64)
-    # One host read of the index to validate it; selectors are named at resets, not per step.
+    if check not in CHECK_MODES:
+        raise ValueError(f"check: expected one of {', '.join(CHECK_MODES)}, got {check!r}")
+    if check == "trusted":
+        return t.to(device=device, dtype=torch.int64)
+    on_device = check == "device" or (check == "auto" and t.device.type == "cuda")
+    if (on_device and device_check is not None and device_check.device == device
+            and device_check.num_worlds == num_worlds):
+        return device_check.check(t.to(device=device, dtype=torch.int64), what or name)
+    # One host read of the index to validate it.
     _check_indices(t.tolist(), num_worlds, name)
     return t.to(device=device, dtype=torch.int64)

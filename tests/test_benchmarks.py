@@ -20,6 +20,7 @@ TINY: dict[str, list[str]] = {
     "transport": ["--worlds", "8", "--seconds", "0.5", "--rounds", "2"],
     "pipeline": ["--worlds", "8", "--seconds", "1", "--trials", "1"],
     "capture": ["--worlds", "8", "--steps", "5", "--trials", "2"],
+    "staging": ["--worlds", "8", "--camera", "4", "--repeats", "2", "--rounds", "1"],
     "read": ["--worlds", "4", "--episodes", "16", "--episode-length", "6", "--trials", "1",
              "--loop-episodes", "3", "--workers", "0"],
 }
@@ -50,6 +51,12 @@ def test_benchmark_smoke(name: str, tmp_path: Path) -> None:
             assert set(case["append_ms"]) == {"baseline", "batched", "floor"}
             assert len(case["append_ms"]["batched"]["samples"]) == 2
             assert case["speedup_vs_baseline"] > 0
+    if name == "staging":
+        assert [c["payload"] for c in doc["cases"]] == ["seed", "camera4"]
+        for case in doc["cases"]:
+            assert case["byte_equal"] is True
+            assert case["staging_gbps"] > 0
+            assert case["staging_vs_copy"] > 0
     if name == "read":
         case = doc["cases"][0]
         assert case["byte_equal"] is True

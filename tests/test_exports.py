@@ -23,7 +23,7 @@ EXPORTS: dict[str, set[str]] = {
         "CaptureError", "CartPoleRandomizer", "FieldTree", "FunctionTerm", "Recorder", "RecorderClosedError",
         "RecordingVectorEnv",
         "SchemaError", "SelectorError", "Term", "TermError", "VariationError", "WorldSelector",
-        "flatten_fields", "normalize_worlds",
+        "CheckMode", "WorldsCheck", "flatten_fields", "normalize_worlds",
     },
     "consumers": {
         "OUTCOME_COLUMNS", "ConsumersError", "FieldStatistics", "FinishedEpisode",

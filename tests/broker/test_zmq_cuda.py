@@ -37,3 +37,104 @@ def test_cuda_batches_arrive_intact_while_the_simulation_overwrites_them(
         assert bool((item.fields["done"] == (i > 5)).all())
     assert pub._ring.slots[0].buffer is not None
     assert pub._ring.slots[0].buffer.is_pinned()
+
+
+def _device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+def test_the_simulation_stream_waits_for_the_device_copy_only(
+        make_pub: Callable[..., ZmqPublisher], make_sub: Callable[..., Subscriber]) -> None:
+    """With the side stream held up (a long sleep kernel queued on it), the current stream
+    finishes the staging's device copy and goes on: its work completes while the slot's
+    device-to-host copy is still pending. The bytes that arrive are those published, though
+    the producer overwrote its tensor right after publishing."""
+    pub = make_pub("tcp://127.0.0.1:*", slots=2)
+    sub = make_sub(pub.endpoints[0])
+    pub.wait_for_subscribers(1, timeout=10)
+    device = _device()
+    worlds = torch.arange(1024, device=device)
+    episodes = torch.zeros(1024, dtype=torch.int64, device=device)
+    state = torch.full((1024, 64), 1.0, device=device)
+    pub(Batch("run", 0, 0, "batch/obs", worlds, episodes, {"state": state}))  # plans, buffers, streams
+    first = sub.recv(timeout=10)
+    assert isinstance(first, Batch)
+    assert bool((first.fields["state"] == 1.0).all())
+    side = pub._ring._stream(device)
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(4_000_000_000)  # type: ignore[no-untyped-call]  # seconds of GPU cycles on the side stream
+    state.fill_(2.0)
+    pub(Batch("run", 1, 1, "batch/obs", worlds, episodes, {"state": state}))
+    state.fill_(-1.0)  # the producer's next write, right after publishing
+    done = torch.cuda.Event()  # type: ignore[no-untyped-call]
+    done.record(torch.cuda.current_stream(device))
+    done.synchronize()  # the current stream's work, the device copy included
+    slot = pub._ring.slots[1]
+    assert slot.event is not None
+    assert not slot.event.query(), "the current stream waited for the device-to-host copy"
+    second = sub.recv(timeout=30)
+    assert isinstance(second, Batch)
+    assert second.seq == 1
+    assert bool((second.fields["state"] == 2.0).all())
+
+
+def test_staging_events_are_blocking(make_pub: Callable[..., ZmqPublisher], make_sub: Callable[..., Subscriber],
+                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """The sender thread sleeps on the staging event (a blocking event) instead of spinning."""
+    made: list[dict[str, object]] = []
+    real = torch.cuda.Event
+
+    def event(**kwargs: object) -> torch.cuda.Event:
+        made.append(kwargs)
+        return real(**kwargs)  # type: ignore[no-untyped-call]
+
+    monkeypatch.setattr(torch.cuda, "Event", event)
+    pub = make_pub("tcp://127.0.0.1:*", slots=2)
+    sub = make_sub(pub.endpoints[0])
+    pub.wait_for_subscribers(1, timeout=10)
+    device = _device()
+    pub(Batch("run", 0, 0, "batch/obs", torch.arange(8, device=device), torch.zeros(8, dtype=torch.int64, device=device),
+              {"x": torch.ones(8, 3, device=device)}))
+    assert isinstance(sub.recv(timeout=10), Batch)
+    assert made
+    assert all(kw.get("blocking") is True for kw in made)
+
+
+@pytest.mark.parametrize("device_buffer", [True, False], ids=["device-slot", "direct"])
+def test_mixed_and_variable_shape_messages_arrive_byte_exact(
+        make_pub: Callable[..., ZmqPublisher], make_sub: Callable[..., Subscriber],
+        monkeypatch: pytest.MonkeyPatch, device_buffer: bool) -> None:
+    """Reset batches of a varying number of worlds (plans with unused rows), a host tensor among
+    device tensors, strided sources, bfloat16, and a slot with no device buffer (out of device
+    memory): every message's bytes as published, though each source is overwritten at once."""
+    if not device_buffer:
+        from broker.staging import Slot
+        monkeypatch.setattr(Slot, "ensure_device", lambda self, nbytes, device, side: None)
+    pub = make_pub("tcp://127.0.0.1:*", slots=3)
+    sub = make_sub(pub.endpoints[0])
+    pub.wait_for_subscribers(1, timeout=10)
+    device = _device()
+    gen = torch.Generator(device=device).manual_seed(0)
+    expected = []
+    for i, k in enumerate([5, 300, 17, 1, 4096, 64, 2000, 3]):
+        worlds = torch.randperm(4096, device=device, generator=gen)[:k]
+        wide = torch.randn(k, 8, device=device, generator=gen)
+        fields = {"strided": wide[:, ::2], "half": wide.to(torch.bfloat16),
+                  "host": torch.arange(k * 2, dtype=torch.int32).reshape(k, 2) + i}
+        episodes = torch.full((k,), i, dtype=torch.int64, device=device)
+        expected.append((worlds.cpu(), {f: t.cpu().clone() for f, t in fields.items()}))
+        pub(Batch("run", i, i, "batch/reset", worlds, episodes, fields, "pre_reset"))
+        wide.fill_(float("nan"))
+        worlds.fill_(-1)
+        fields["host"].fill_(-7)
+    for i, (worlds, fields) in enumerate(expected):
+        got = sub.recv(timeout=10)
+        assert isinstance(got, Batch)
+        assert got.seq == i
+        assert torch.equal(got.worlds, worlds)
+        for f, t in fields.items():
+            assert got.fields[f].dtype == t.dtype
+            assert torch.equal(got.fields[f].view(torch.uint8) if t.dtype == torch.bfloat16 else got.fields[f],
+                               t.view(torch.uint8) if t.dtype == torch.bfloat16 else t), (i, f)
+    slots = pub._ring.slots
+    assert all((s.device_buffer is not None) == device_buffer for s in slots if s.buffer is not None)

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from broker import Broker
+from broker import Batch, Broker
 from capture import FunctionTerm, Recorder
 from consumers import LiveStatistics
 
@@ -59,3 +59,43 @@ def test_field_filter_and_subsampling() -> None:
     assert np.isnan(s.success_rate)
     with pytest.raises(ValueError, match="every: expected a positive int, got 0"):
         LiveStatistics(every=0)
+
+
+def test_layout_changes_on_one_topic_are_reduced_with_the_new_layout() -> None:
+    # Each step of one topic changes the previous step's layout: the number of worlds, a
+    # field's dtype, the fields' order, a field added or dropped. A layout kept from the
+    # step before would mix up columns or reduce in the wrong dtype.
+    gen = torch.Generator().manual_seed(3)
+
+    def floats(n: int, dtype: torch.dtype, scale: float) -> torch.Tensor:
+        return (torch.randn(n, 2, 3, generator=gen) * scale + 5 * scale).to(dtype)
+
+    steps: list[dict[str, torch.Tensor]] = []
+    for n, a_dtype, order, extra in [(4, torch.float32, "ad", False), (4, torch.float32, "ad", False),
+                                     (6, torch.float32, "ad", False), (4, torch.float64, "ad", False),
+                                     (4, torch.float32, "da", False), (5, torch.float32, "ad", True),
+                                     (5, torch.float16, "da", False), (4, torch.float32, "ad", False)]:
+        fields = {"a": floats(n, a_dtype, 1.0), "d": floats(n, torch.float32, 100.0)}
+        fields = {k: fields[k] for k in order}
+        if extra:
+            fields["c"] = torch.randint(-50, 50, (n,), generator=gen, dtype=torch.int16)
+        steps.append(fields)
+    stats = LiveStatistics()
+    only_d = LiveStatistics(fields=["t/d"])
+    for i, fields in enumerate(steps):
+        n = next(iter(fields.values())).shape[0]
+        batch = Batch("r", i, i, "batch/t", torch.arange(n), torch.zeros(n, dtype=torch.int64), fields)
+        stats(batch)
+        only_d(batch)
+    s, sd = stats.summary(), only_d.summary()
+    assert set(s.fields) == {"t/a", "t/c", "t/d"}
+    assert set(sd.fields) == {"t/d"}
+    for key in ("a", "c", "d"):
+        rows = np.concatenate([f[key].numpy().astype(np.float64) for f in steps if key in f])
+        for got in (s.fields[f"t/{key}"], *([sd.fields["t/d"]] if key == "d" else [])):
+            assert got.count == rows.shape[0]
+            assert got.mean.shape == rows.shape[1:]
+            np.testing.assert_allclose(got.mean, rows.mean(0), rtol=1e-6)
+            np.testing.assert_allclose(got.std, rows.std(0, ddof=1), rtol=1e-5)
+            np.testing.assert_array_equal(got.min, rows.min(0))
+            np.testing.assert_array_equal(got.max, rows.max(0))
