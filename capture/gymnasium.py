@@ -380,10 +380,17 @@ class RecordingVectorEnv:
                 for name, v in _flatten(final_obs[w], "next_obs").items():
                     next_obs[name][w] = _as_tensor(v, dev, name)
         fields.update(next_obs)
+        final_info = info.get("final_info", {}) if final is not None and final.any() else None
         for key in self._info_specs:
-            value, mask = self._info(info, key)
-            if final is not None and final.any():
-                f_value, f_mask = self._info(info.get("final_info", {}), key)
+            if final_info is not None and key not in info and key in final_info:
+                # every world that reported it reset in this step: its spec comes from the final rows
+                f_value, f_mask = self._info(final_info, key)
+                value, mask = self._info(info, key)
+            else:
+                value, mask = self._info(info, key)
+                if final_info is not None:
+                    f_value, f_mask = self._info(final_info, key)
+            if final is not None and final_info is not None:
                 pick = torch.from_numpy(final).to(dev)
                 value = torch.where(pick.view(-1, *([1] * (value.dim() - 1))), f_value, value)
                 mask = torch.where(pick, f_mask, mask)

@@ -280,6 +280,15 @@ class Recorder:
                                 check=self.worlds_check, device_check=self._device_check,
                                 what=f"{name} of a record call at step {self._step} of run {self.run!r}")
 
+    def _defer_check(self, verdict: torch.Tensor, explain: Callable[[int], Exception]) -> bool:
+        """Queue ``verdict`` (0-dim, 0 for sound) with the device-checked selectors, read back
+        without a sync (see :meth:`capture.WorldsCheck.defer`); ``False`` (nothing queued)
+        when this recorder checks on the host, and the caller checks at once."""
+        if self._device_check is None or self.device.type != "cuda":
+            return False
+        self._device_check.defer(verdict, explain)
+        return True
+
     def check_worlds(self) -> None:
         """Wait for the world index tensors checked on the device so far (``worlds_check``
         ``"device"``, or ``"auto"`` on CUDA) and raise for the first bad one; a no-op when

@@ -25,7 +25,7 @@ import collections
 import itertools
 import numbers
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Final, Literal, TypeAlias
 
 import numpy as np
@@ -71,7 +71,8 @@ class WorldsCheck:
         self._host = torch.zeros(depth, dtype=torch.int32, pin_memory=cuda)
         self._events: list[Any] = [torch.cuda.Event(blocking=True) if cuda else None  # type: ignore[no-untyped-call]
                                    for _ in range(depth)]
-        self._pending: collections.deque[tuple[int, str]] = collections.deque()  # (slot, what was checked)
+        # (slot, what its verdict means when it is not 0)
+        self._pending: collections.deque[tuple[int, Callable[[int], Exception]]] = collections.deque()
         self._next = 0
         self.checks = 0
         """Index tensors checked so far."""
@@ -96,28 +97,55 @@ class WorldsCheck:
         counts.zero_()
         counts.index_add_(0, clamped, self._ones[:k])
         verdict = outside.to(torch.int32) * _OUT_OF_RANGE + (counts > 1).any().to(torch.int32) * _DUPLICATE
+        self._queue(verdict, lambda code: self._selector_error(code, what))
+        self.checks += 1
+        return clamped
+
+    def defer(self, verdict: torch.Tensor, explain: Callable[[int], Exception]) -> None:
+        """Queue any other check computed on this device: ``verdict`` (a 0-dim integer tensor,
+        0 for sound) is read without a sync like the index checks', and a non-zero value is
+        raised as ``explain(value)`` by :meth:`poll`/:meth:`wait`.
+
+        Raises:
+            Exception: An earlier deferred check failed (or, on CPU, this one): what its
+                ``explain`` returned.
+        """
+        self.poll()
+        if len(self._pending) == self.depth:
+            self.poll(wait=True, upto=1)
+        self._queue(verdict.to(torch.int32), explain)
+
+    def _queue(self, verdict: torch.Tensor, explain: Callable[[int], Exception]) -> None:
         slot = self._next
         self._next = (slot + 1) % self.depth
         event = self._events[slot]
         self._host[slot].copy_(verdict, non_blocking=event is not None)
         if event is not None:
             event.record(torch.cuda.current_stream(self.device))
-        self._pending.append((slot, what))
-        self.checks += 1
+        self._pending.append((slot, explain))
         if event is None:
             self.poll()
-        return clamped
+
+    def _selector_error(self, verdict: int, what: str) -> SelectorError:
+        problems = [text for bit, text in ((_OUT_OF_RANGE, f"indices out of [0, {self.num_worlds})"),
+                                            (_DUPLICATE, "duplicate indices")) if verdict & bit]
+        return SelectorError(
+            f"{what}: expected distinct world indices in [0, {self.num_worlds}), got "
+            f"{' and '.join(problems)} (checked on the device without a sync, so on CUDA reported "
+            f"after the call, whose indices were clamped into range and whose records are not "
+            f"reliable; check='host' finds it at the call)")
 
     def poll(self, wait: bool = False, upto: int | None = None) -> None:
         """Read the verdicts that have landed (all of them, or the oldest ``upto``, when
         ``wait``) and raise for the first bad one.
 
         Raises:
-            SelectorError: A checked index tensor held an index out of range or a duplicate.
+            SelectorError: A checked index tensor held an index out of range or a duplicate
+                (or what a :meth:`defer` check's ``explain`` returned).
         """
         read = 0
         while self._pending and (upto is None or read < upto):
-            slot, what = self._pending[0]
+            slot, explain = self._pending[0]
             event = self._events[slot]
             if event is not None and not event.query():
                 if not wait:
@@ -127,13 +155,7 @@ class WorldsCheck:
             read += 1
             verdict = int(self._host[slot])
             if verdict:
-                problems = [text for bit, text in ((_OUT_OF_RANGE, f"indices out of [0, {self.num_worlds})"),
-                                                    (_DUPLICATE, "duplicate indices")) if verdict & bit]
-                raise SelectorError(
-                    f"{what}: expected distinct world indices in [0, {self.num_worlds}), got "
-                    f"{' and '.join(problems)} (checked on the device, so reported after the call; "
-                    f"its indices were clamped into range and what it recorded is not reliable; "
-                    f"check='host' finds it at the call)")
+                raise explain(verdict)
 
     def wait(self) -> None:
         """Read every verdict in flight (waits for them) and raise for the first bad one.

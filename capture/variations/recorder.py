@@ -197,6 +197,17 @@ class VariationRecorder:
         rec = self._recorder
         lengths = rec.lengths_of(idx)
         stepped = lengths > 0
+        step = rec.step
+
+        def late(count: int) -> VariationError:
+            return VariationError(
+                f"variation {key!r}: a runtime draw at step {step} was for {count} world(s) whose current "
+                f"episode had already stepped (checked on the device, so reported after the draw, "
+                f"which was recorded; Recorder(worlds_check='host') names them at the draw); a "
+                f"runtime value holds for a whole episode, so draw it at reset")
+
+        if rec._defer_check(stepped.sum(), late):  # read later, without a device sync
+            return
         if not bool(stepped.any()):
             return
         worlds, steps = idx[stepped].tolist(), lengths[stepped].tolist()

@@ -627,6 +627,17 @@ TestSameStepMachine = SameStepMachine.TestCase
 TestDisabledMachine = DisabledMachine.TestCase
 
 
+def test_an_info_key_seen_first_in_the_final_info_of_a_same_step_reset_is_recorded() -> None:
+    """Found by the SAME_STEP machine: at the first step every world that reports ``bonus``
+    ends and resets in that step, so ``bonus`` is only in ``final_info``; the wrapper refused
+    it as absent from the first step's info instead of learning its spec from the final rows."""
+    machine = SameStepMachine()
+    machine.reset_some(mask=[False, True, True])
+    machine.reset_some(mask=[False, True, False])
+    machine.step(actions=[0, 0, 0])
+    machine.teardown()
+
+
 def test_step_fields_are_recorded_with_the_transitions(broker: Broker) -> None:
     """``step_fields()`` rows go with the transitions: only for worlds that took one (none at a
     NEXT_STEP reset step), byte for byte what it returned; a name clash is refused.

@@ -377,3 +377,26 @@ def test_a_mid_episode_refusal_lists_at_most_eight_worlds() -> None:
     recorder.record_post_step()
     with pytest.raises(VariationError, match=r"world 7 \(at step 2 of its episode\) and 12 more;"):
         friction.sample(20)
+
+
+@pytest.mark.cuda
+@cuda
+def test_cuda_mid_episode_runtime_draw_is_reported_without_a_sync() -> None:
+    """On CUDA the mid-episode check is read back without a device sync: a draw for worlds
+    whose episode has stepped is reported by check_worlds() (or a later call), not lost."""
+    recorder, _ = _setup(device="cuda")
+    friction = _var("friction", UniformCfg(0, 1), device="cuda")
+    VariationRecorder(recorder).attach(friction)
+    recorder.record_post_step()
+    recorder.record_pre_reset(torch.tensor([2], device="cuda"))
+    sync_mode = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        friction.sample(1, torch.tensor([2], device="cuda"))  # fresh episode: sound
+        friction.sample(2, torch.tensor([0, 2], device="cuda"))  # world 0 has stepped
+    finally:
+        torch.cuda.set_sync_debug_mode(sync_mode)
+    with pytest.raises(VariationError, match=r"variation 'friction': a runtime draw at step 1 was for 1 "
+                                             r"world\(s\) whose current episode had already stepped"):
+        recorder.check_worlds()
+    recorder.check_worlds()  # reported once
