@@ -106,10 +106,15 @@ class CurveServer:
         stops it (``.stop()``) before terminating the context."""
         auth = ThreadAuthenticator(context, log=None)
         auth.start()
-        if self.allowed_clients is None:
-            auth.configure_curve(domain=self.domain, location=zmq.auth.CURVE_ALLOW_ANY)
-        else:
-            auth.configure_curve_callback(domain=self.domain, credentials_provider=_AllowList(self.allowed_clients))
+        try:
+            if self.allowed_clients is None:
+                auth.configure_curve(domain=self.domain, location=zmq.auth.CURVE_ALLOW_ANY)
+            else:
+                auth.configure_curve_callback(domain=self.domain,
+                                              credentials_provider=_AllowList(self.allowed_clients))
+        except BaseException:
+            auth.stop()
+            raise
         return auth
 
 

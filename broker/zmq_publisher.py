@@ -340,10 +340,12 @@ class ZmqPublisher:
         self._closed = self._closing = self._done = False
         self._close_deadline = 0.0
         self._ctx: zmq.Context[Any] = zmq.Context()
-        self._auth = curve.start_authenticator(self._ctx) if isinstance(curve, CurveServer) else None
+        self._auth: Any = None
         self.endpoints: tuple[str, ...] = ()
         self._handshakes: HandshakeWatch | None = None  # failed handshakes, by cause
-        try:
+        try:  # whatever fails below, the context and its threads are let go
+            if isinstance(curve, CurveServer):
+                self._auth = curve.start_authenticator(self._ctx)
             self._socket = self._open(requested, bind, curve, hwm, heartbeat)
         except BaseException:
             self._teardown(linger=0)

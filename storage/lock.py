@@ -34,7 +34,7 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from types import TracebackType
 from typing import Any, Self
@@ -403,6 +403,16 @@ class FencedStore(WrapperStore[Store]):
     async def delete_dir(self, prefix: str) -> None:
         self.lease.check()
         await self._store.delete_dir(prefix)
+
+    async def _set_many(self, values: Iterable[tuple[str, Buffer]]) -> None:
+        # zarr writes several nodes at once through it (the wrapped store's own would not pass
+        # through this wrapper's set)
+        self.lease.check()
+        await self._store._set_many(values)
+
+    async def clear(self) -> None:
+        self.lease.check()
+        await self._store.clear()
 
     async def get(self, key: str, prototype: BufferPrototype,
                   byte_range: ByteRequest | None = None) -> Buffer | None:

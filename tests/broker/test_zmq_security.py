@@ -238,3 +238,52 @@ def test_proxy_counts_refused_peers_by_side(make_sub: MakeSub) -> None:
             "the publisher refused this key: is its public key on the publisher's allow-list?"]
     finally:
         proxy.close()
+
+
+def test_a_publisher_whose_authenticator_fails_to_start_lets_its_context_go(
+        monkeypatch: pytest.MonkeyPatch, free_endpoint: Callable[[], str]) -> None:
+    """Before, the CURVE authenticator started outside the constructor's cleanup: when it
+    failed, the publisher's ZeroMQ context (and its I/O thread) stayed open. Now the error
+    propagates and the context is terminated; a failing configure stops the started thread."""
+    import zmq
+
+    import broker.zmq_publisher as zp
+    from broker.security import ThreadAuthenticator
+
+    contexts: list[zmq.Context[Any]] = []
+
+    class Recorded(zmq.Context):  # type: ignore[type-arg]
+        def __init__(self) -> None:
+            super().__init__()
+            contexts.append(self)
+
+    def fail(self: CurveServer, context: zmq.Context[Any]) -> Any:
+        raise RuntimeError("injected: the authenticator did not start")
+
+    monkeypatch.setattr(zp.zmq, "Context", Recorded)
+    monkeypatch.setattr(CurveServer, "start_authenticator", fail)
+    with pytest.raises(RuntimeError, match="injected"):
+        ZmqPublisher(free_endpoint(), curve=CurveServer(KeyPair.generate(), allowed_clients=None))
+    assert len(contexts) == 1
+    assert contexts[0].closed
+    monkeypatch.undo()
+
+    stopped: list[bool] = []
+    real_stop = ThreadAuthenticator.stop
+
+    def configure(self: ThreadAuthenticator, *args: Any, **kwargs: Any) -> None:
+        raise RuntimeError("injected: configure failed")
+
+    def stop(self: ThreadAuthenticator) -> None:
+        stopped.append(True)
+        real_stop(self)
+
+    monkeypatch.setattr(ThreadAuthenticator, "configure_curve", configure)
+    monkeypatch.setattr(ThreadAuthenticator, "stop", stop)
+    ctx = zmq.Context()
+    try:
+        with pytest.raises(RuntimeError, match="configure failed"):
+            CurveServer(KeyPair.generate(), allowed_clients=None).start_authenticator(ctx)
+        assert stopped  # the started thread was stopped
+    finally:
+        ctx.term()

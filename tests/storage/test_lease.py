@@ -158,3 +158,37 @@ def test_fencing_arguments_are_checked() -> None:
         StoreLease(_url(), ttl=3, margin=2.5)
     with pytest.raises(ValueError, match="ttl"):
         StoreLease(_url(), ttl=float("nan"))
+
+
+def test_every_write_method_of_a_fenced_store_is_refused_once_the_lease_lapsed() -> None:
+    """A lapsed lease refuses every way zarr writes through the store, not only set(): before,
+    _set_many (zarr writes several nodes at once through it) and clear() went straight to the
+    wrapped store. Nothing changes in the store."""
+    import asyncio
+
+    import zarr
+    from zarr.core.buffer import default_buffer_prototype
+
+    from storage import FencedStore, LeaseExpiredError
+
+    class Lapsed:
+        def check(self) -> None:
+            raise LeaseExpiredError("injected: the lease lapsed")
+
+    base = zarr.storage.MemoryStore()
+    buf = default_buffer_prototype().buffer.from_bytes(b"kept")
+    asyncio.run(base.set("a/zarr.json", buf))
+    fenced = FencedStore(base, Lapsed())  # type: ignore[arg-type]
+    new = default_buffer_prototype().buffer.from_bytes(b"new")
+    writes = {
+        "set": lambda: fenced.set("b", new),
+        "set_if_not_exists": lambda: fenced.set_if_not_exists("b", new),
+        "_set_many": lambda: fenced._set_many([("b", new), ("a/zarr.json", new)]),
+        "delete": lambda: fenced.delete("a/zarr.json"),
+        "delete_dir": lambda: fenced.delete_dir("a"),
+        "clear": lambda: fenced.clear(),
+    }
+    for name, write in writes.items():
+        with pytest.raises(LeaseExpiredError):
+            asyncio.run(write())  # type: ignore[no-untyped-call]
+        assert {k: bytes(v.to_bytes()) for k, v in base._store_dict.items()} == {"a/zarr.json": b"kept"}, name
