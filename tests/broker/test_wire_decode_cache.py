@@ -109,3 +109,33 @@ def test_cache_stays_bounded() -> None:
     newest = msgpack.packb(msgpack.unpackb(_batch(width=2 * wire._SPEC_CACHE_SIZE - 1)[1])["fields"],
                            use_bin_type=True)
     assert any(key[2] == newest for key in wire._spec_cache)
+
+
+def test_a_cached_layout_still_counts_frames() -> None:
+    """After a hit on the layout cache (same spec lists), a message with a frame too few or too
+    many is refused as on the first decode."""
+    frames = _batch()
+    _decode(frames)
+    _decode(frames)  # the layout is cached now
+    with pytest.raises(WireFormatError) as info:
+        _decode(frames[:-1])
+    assert info.value.reason == "missing frames"
+    with pytest.raises(WireFormatError) as info:
+        _decode([*frames, frames[-1]])
+    assert info.value.reason == "extra frames"
+    assert len(_decode(frames).fields) == 2
+
+
+@pytest.mark.parametrize(("changes", "reason"), [
+    ({"fields": [["obs", "float32", [4, 3], 2], ["obs", "bool", [4], 3]]}, "schema"),  # duplicate names
+    ({"tensors": [["episodes", "int64", [4], 0], ["worlds", "int64", [4], 1]]}, "schema"),  # own order
+    ({"fields": [["obs", "float32", [4, 3], 2], ["done", "bool", [4], 2]]}, "header"),  # a frame twice
+])
+def test_headers_refused_for_their_layout_are_refused_every_time(changes: dict[str, Any], reason: str) -> None:
+    """A layout that fails a header-only check is never cached: the same header is refused
+    again (its spec lists are cached, as the specs alone are sound)."""
+    bad = _header(_batch(), **changes)
+    for _ in range(3):
+        with pytest.raises(WireFormatError) as info:
+            _decode(bad)
+        assert info.value.reason == reason
