@@ -32,7 +32,7 @@ from __future__ import annotations
 import json
 import math
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Mapping
 from typing import Any, Literal, TypeAlias
 
@@ -295,6 +295,13 @@ class RunAssembly:
         self.last_seq = self.seq_high
         self.last_commit = self.last_message = time.monotonic()
         self.filtered = self.incomplete = self.open_at_end = 0
+        # Messages of this run the daemon rejected, by reason: kept in the run's attributes at
+        # each commit (``rejected``), counted on from what a resumed run had stored.
+        stored = primary.meta.get("rejected") if resumed else None
+        self.rejected: Counter[str] = Counter(
+            {str(k): int(v) for k, v in stored.items() if isinstance(v, int) and not isinstance(v, bool)}
+            if isinstance(stored, dict) else {})
+        self._rejected_committed = dict(self.rejected)
         self.ended = False
         self.started = False
         """Whether the run's ``RunStart`` was seen."""
@@ -592,7 +599,8 @@ class RunAssembly:
         variation samples waiting for it fill an eighth of the run's budget)."""
         if self._pending_var_bytes > self.budget_bytes // 8:
             return True
-        return bool(self.pending or self.pending_vars or self.pending_gaps) and \
+        return bool(self.pending or self.pending_vars or self.pending_gaps
+                    or self.rejected != self._rejected_committed) and \
             time.monotonic() - self.last_commit >= self.commit_interval
 
     def commit(self, *, status: str | None = None, extra: dict[str, Any] | None = None,
@@ -618,6 +626,9 @@ class RunAssembly:
         self.pending_vars = defaultdict(list)
         self._pending_var_bytes = 0
         gaps, self.pending_gaps = self.pending_gaps, []
+        if self.rejected != self._rejected_committed:
+            self._rejected_committed = dict(self.rejected)
+            extra = {**(extra or {}), "rejected": dict(sorted(self.rejected.items()))}
         for writer in self._writers():
             self.queue.submit(_commit_job, writer, pending.get(id(writer), []), variations, gaps,
                               self.seq_high, self.step_high, status, extra)

@@ -481,8 +481,10 @@ class StoreDaemon:
         if name is None and isinstance(run, str):  # rejected before routing (its envelope)
             name = self._session.get(run, run)
         asm = self.runs.get(name) if name is not None else None
-        if asm is not None and (exc.worlds is None or len(exc.worlds)):
-            asm.invalidate(exc.worlds)
+        if asm is not None:
+            asm.rejected[exc.reason] += 1
+            if exc.worlds is None or len(exc.worlds):
+                asm.invalidate(exc.worlds)
 
     def _on_gap(self, gap: Gap) -> None:
         run, topic, expected, received = gap.run, gap.topic, gap.expected, gap.received

@@ -7,9 +7,10 @@ run is an object with the keys ``run``, ``status``, ``num_worlds``, ``episodes``
 ``variations`` (key -> ``{"kind", "phase"}``), ``bytes`` (bytes stored under the run's group,
 ``null`` where the store cannot list them), ``started_at``, ``ended_at``, ``duration``
 (seconds, ``null`` until both are known), ``gaps`` (``{"count", "missing"}``: rows of
-``gaps/`` and the sequence numbers they span), ``resumed``, ``repaired`` (the attribute a
-repair left, or ``null``) and ``dirty``. Rejected and bad messages are counted by the daemon
-while it runs (its status lines), not stored, so they are not here. ``damaged`` lists
+``gaps/`` and the sequence numbers they span), ``rejected`` (messages of the run the daemon
+rejected, by reason, as of its last commit; ``{}`` for none), ``resumed``, ``repaired`` (the
+attribute a repair left, or ``null``) and ``dirty``. Messages that could not be decoded at all
+name no run: the daemon counts them while it runs (its status), they are not stored. ``damaged`` lists
 ``{"run", "error"}`` for each run whose attributes or tables cannot be read.
 """
 
@@ -79,6 +80,7 @@ def describe(reader: Any, run: str) -> dict[str, Any]:
         "started_at": started, "ended_at": ended,
         "duration": ended - started if started is not None and ended is not None else None,
         "gaps": {"count": len(gaps), "missing": missing},
+        "rejected": {str(k): int(v) for k, v in (info.get("rejected") or {}).items()},
         "resumed": info.get("resumed", 0), "repaired": info.get("repaired"),
         "dirty": bool(info.get("dirty", False)),
     }
@@ -117,12 +119,13 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps({"store": str(args.store), "runs": runs, "damaged": damaged}, indent=1))
     else:
         print(f"{'run':<24} {'status':<9} {'worlds':>7} {'episodes':>9} {'succeeded':>9} {'gaps':>5} "
-              f"{'MB':>9} {'duration':>9}")
+              f"{'rejected':>8} {'MB':>9} {'duration':>9}")
         for r in runs:
             mb = "-" if r["bytes"] is None else f"{r['bytes'] / 1e6:.1f}"
             took = "-" if r["duration"] is None else f"{r['duration']:.0f}s"
             print(f"{r['run']:<24} {r['status']:<9} {r['num_worlds']:>7} {r['episodes']:>9} "
-                  f"{r['succeeded']:>9} {r['gaps']['count']:>5} {mb:>9} {took:>9}")
+                  f"{r['succeeded']:>9} {r['gaps']['count']:>5} {sum(r['rejected'].values()):>8} {mb:>9} "
+                  f"{took:>9}")
         for d in damaged:
             print(f"{d['run']:<24} damaged: {d['error']}")
     return 3 if damaged else 0

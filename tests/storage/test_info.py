@@ -89,3 +89,47 @@ def test_info_lists_a_damaged_run_as_damaged(tmp_path: Path) -> None:
     assert doc["runs"] == []
     assert sorted(d["run"] for d in doc["damaged"]) == ["run-a", "run-b"]
     assert "episodes/world" in next(d["error"] for d in doc["damaged"] if d["run"] == "run-b")
+
+
+def test_info_shows_each_runs_rejections_and_a_resumed_run_counts_on(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Rejected messages are counted per run in the run's attributes at each commit (before,
+    only the running daemon knew them): ``info`` shows them, the other run shows none, and a
+    daemon that resumes the run after a restart counts on from what was stored."""
+    from broker import Batch, Message
+
+    path = tmp_path / "runs.zarr"
+    seen: list[Message] = []
+    broker = Broker()
+    first = StoreDaemon(path, commit_interval=0.0)
+    sub = broker.subscribe("", first)
+    broker.subscribe("", seen.append)
+    sim = Sim(broker, 3, run="run-a", seed=0, reset_p=0.2)
+    sim.step(10)
+    old = next(m for m in seen if isinstance(m, Batch))
+    first(old)
+    first(old)  # two replays
+    sim.step(3)
+    assert dict(first.statistics().rejected) == {"replay": 2}
+    first.close()  # the run stays open: a later daemon resumes it
+    sub.cancel()
+    second = StoreDaemon(path, commit_interval=0.0)
+    broker.subscribe("", second)
+    second(old)  # one more, through the resumed run
+    sim.step(3)
+    sim.close()
+    other = Broker()
+    other.subscribe("", second)
+    clean = Sim(other, 3, run="run-b", seed=1, reset_p=0.2)
+    clean.step(5)
+    clean.close()
+    second.close()
+    assert main(["info", "--json", str(path)]) == 0
+    runs = {r["run"]: r for r in json.loads(capsys.readouterr().out)["runs"]}
+    assert runs["run-a"]["resumed"] == 1
+    assert runs["run-a"]["rejected"] == {"replay": 3}
+    assert runs["run-b"]["rejected"] == {}
+    assert main(["info", str(path)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split()[6] == "rejected"
+    assert lines[1].split()[6] == "3"
