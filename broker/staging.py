@@ -123,7 +123,10 @@ class Slot:
         old = self.device_buffer
         if old is not None and old.device == device and old.numel() >= nbytes:
             return old
-        self.device_buffer = None
+        if old is not None:  # given up, even if no other can be allocated: no plan may use it
+            self.device_buffer = None
+            self.plans.clear()
+            self.recent = None
         try:
             buffer = torch.empty(max(nbytes, 4096), dtype=torch.uint8, device=device)
         except torch.cuda.OutOfMemoryError:

@@ -127,3 +127,25 @@ def test_messages_that_differ_only_in_their_number_of_worlds_share_one_plan() ->
         assert [bytes(f) for f in slot.frames(layout)] == want
     assert len(slot.plans) == 1
     assert ring.plans_built == 5  # room for 1 row (0 first), 37, 74, 148, 296: not one per size
+
+
+def test_a_device_buffer_given_up_takes_its_plans_with_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """When a slot gives its device buffer up (a larger message) and no new one can be
+    allocated (out of device memory), no plan that points into the old one may stay: a later
+    message of an old plan's shape would stage through a buffer the slot no longer has."""
+    from broker.staging import Plan
+
+    ring = StagingRing(1, threading.Condition())
+    slot = ring.slots[0]
+    slot.device_buffer = torch.empty(64, dtype=torch.uint8)  # stands in for a device buffer
+    slot.plans[("old",)] = Plan([0], [8], 1, [None], 0, False, torch.device("cpu"), [None])
+    slot.recent = slot.plans[("old",)]
+
+    def out_of_memory(*args: object, **kwargs: object) -> torch.Tensor:
+        raise torch.cuda.OutOfMemoryError("injected")
+
+    monkeypatch.setattr(torch, "empty", out_of_memory)
+    assert slot.ensure_device(1 << 20, torch.device("cpu"), side=None) is None
+    assert slot.device_buffer is None
+    assert not slot.plans
+    assert slot.recent is None
