@@ -616,10 +616,7 @@ def _decode(frames: Sequence[Any], max_header_size: int, max_message_size: int,
         # these very spec lists (cached by _specs) passed every check below that depends on
         # the header alone: only the frames are checked again
         items = known[2]
-        if len(payload) != len(items):
-            reason = "missing frames" if len(payload) < len(items) else "extra frames"
-            raise _fail(reason, f"topic {topic!r}: header describes {len(items)} tensor frames, got "
-                                f"{len(payload)}")
+        _count_frames(topic, payload, len(items))
         own: dict[str, A] = {}
         fields: dict[str, A] = {}
         for is_own, name, dtype, shape, f in items:
@@ -629,10 +626,7 @@ def _decode(frames: Sequence[Any], max_header_size: int, max_message_size: int,
     if [s[0] for s in own_specs] != list(_OWN[kind]):
         raise _fail("schema", f"topic {topic!r}: expected tensors {list(_OWN[kind])} for kind "
                               f"{kind!r}, got {[s[0] for s in own_specs]}")
-    if len(payload) != len(specs):
-        reason = "missing frames" if len(payload) < len(specs) else "extra frames"
-        raise _fail(reason, f"topic {topic!r}: header describes {len(specs)} tensor frames, got "
-                            f"{len(payload)}")
+    _count_frames(topic, payload, len(specs))
     if sorted(s[3] for s in specs) != list(range(len(specs))):
         raise _fail("header", f"topic {topic!r}: frame indices {[s[3] for s in specs]} are not "
                               f"each of 0..{len(specs) - 1} once")
@@ -649,6 +643,13 @@ def _decode(frames: Sequence[Any], max_header_size: int, max_message_size: int,
     _layouts[(kind, id(own_specs), id(field_specs))] = (
         own_specs, field_specs, [(i < len(own_specs), *spec) for i, spec in enumerate(specs)])
     return decoded
+
+
+def _count_frames(topic: str, payload: Sequence[Any], expected: int) -> None:
+    if len(payload) != expected:
+        reason = "missing frames" if len(payload) < expected else "extra frames"
+        raise _fail(reason, f"topic {topic!r}: header describes {expected} tensor frames, got "
+                            f"{len(payload)}")
 
 
 def _finish(topic: str, kind: str, head: dict[str, Any], own: dict[str, A], fields: dict[str, A],

@@ -273,12 +273,11 @@ class Recorder:
 
     def select(self, worlds: WorldSelector, *, name: str = "worlds") -> torch.Tensor:
         """Normalize a world selector (see :mod:`capture.selectors`) on this recorder's device."""
-        if self._device_check is None or not isinstance(worlds, torch.Tensor):
-            return normalize_worlds(worlds, self.num_worlds, self.device, name=name, all_worlds=self._all,
-                                    check=self.worlds_check)
+        deferred = self._device_check is not None and isinstance(worlds, torch.Tensor)
         return normalize_worlds(worlds, self.num_worlds, self.device, name=name, all_worlds=self._all,
                                 check=self.worlds_check, device_check=self._device_check,
-                                what=f"{name} of a record call at step {self._step} of run {self.run!r}")
+                                what=f"{name} of a record call at step {self._step} of run {self.run!r}"
+                                if deferred else None)
 
     def _defer_check(self, verdict: torch.Tensor, explain: Callable[[int], Exception]) -> bool:
         """Queue ``verdict`` (0-dim, 0 for sound) with the device-checked selectors, read back

@@ -84,9 +84,7 @@ class WorldsCheck:
         Raises:
             SelectorError: An earlier check (or, on CPU, this one) found a bad index tensor.
         """
-        self.poll()
-        if len(self._pending) == self.depth:  # the next slot's verdict is still unread
-            self.poll(wait=True, upto=1)
+        self._reserve()
         n = self.num_worlds
         k = index.shape[0]
         outside = ((index < 0) | (index >= n)).any()
@@ -110,10 +108,15 @@ class WorldsCheck:
             Exception: An earlier deferred check failed (or, on CPU, this one): what its
                 ``explain`` returned.
         """
+        self._reserve()
+        self._queue(verdict.to(torch.int32), explain)
+
+    def _reserve(self) -> None:
+        """Raise for verdicts landed so far, and free the next slot (waiting for its verdict
+        when every slot is in flight)."""
         self.poll()
         if len(self._pending) == self.depth:
             self.poll(wait=True, upto=1)
-        self._queue(verdict.to(torch.int32), explain)
 
     def _queue(self, verdict: torch.Tensor, explain: Callable[[int], Exception]) -> None:
         slot = self._next

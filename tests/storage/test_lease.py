@@ -167,7 +167,7 @@ def test_every_write_method_of_a_fenced_store_is_refused_once_the_lease_lapsed()
     import asyncio
 
     import zarr
-    from zarr.core.buffer import default_buffer_prototype
+    from zarr.buffer import default_buffer_prototype
 
     from storage import FencedStore, LeaseExpiredError
 
