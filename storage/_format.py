@@ -23,8 +23,8 @@ from typing import TYPE_CHECKING, Any, Final, Literal, TypeAlias
 import numpy as np
 import zarr
 import zarr.codecs
+from zarr.abc.buffer import Buffer
 from zarr.abc.store import Store
-from zarr.core.buffer import Buffer
 from zarr.storage import LocalStore
 
 from .errors import StoreFormatError
@@ -439,7 +439,7 @@ def open_store(location: StoreLocation, *, fsync: bool = False, read_only: bool 
 def root_metadata(attributes: Mapping[str, Any] | None = None) -> bytes:
     """The ``zarr.json`` of a group with ``attributes``: the same attributes always give the
     same bytes, the bytes zarr itself writes for such a group."""
-    from zarr.core.buffer import default_buffer_prototype
+    from zarr.buffer import default_buffer_prototype
     from zarr.core.group import GroupMetadata
 
     meta = GroupMetadata(attributes=dict(attributes or {}))
@@ -451,7 +451,7 @@ def create_groups(store: Store, groups: Mapping[str, Mapping[str, Any]]) -> None
     leaving present ones as they are. Safe when several processes do it at once: every writer
     writes the same bytes (:func:`root_metadata`), and a local store creates the key without
     replacing one that appeared meanwhile (the others compare, then write whole objects)."""
-    from zarr.core.buffer import default_buffer_prototype
+    from zarr.buffer import default_buffer_prototype
     from zarr.core.sync import sync
 
     async def create() -> None:

@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 import zarr
-from zarr.core.buffer import default_buffer_prototype
+from zarr.buffer import default_buffer_prototype
 from zarr.core.sync import sync
 
 from ._columns import SYNC_PATH, _threads
