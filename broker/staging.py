@@ -29,9 +29,11 @@ import numpy as np
 import torch
 import zmq
 
+from .wire import ALIGN, packed_layout
+
 __all__ = ["PLANS_PER_SLOT", "Layout", "Plan", "Slot", "Staged", "StagingRing", "Tracker"]
 
-_ALIGN: Final = 64
+_ALIGN: Final = ALIGN  # the wire's: a message staged for all its rows is one protocol 2 data frame
 _SPAN_SLACK: Final = 1 << 20
 """Bytes of padding or unused rows a single device-to-host copy of a slot's span may carry
 rather than one copy per tensor."""
@@ -88,7 +90,7 @@ leading dimension when every tensor has one and they all agree (a batch's worlds
 class Slot:
     """One staging buffer (pinned when it has held CUDA tensors)."""
 
-    __slots__ = ("array", "buffer", "busy", "device_buffer", "event", "framed", "plans", "recent",
+    __slots__ = ("array", "buffer", "busy", "device_buffer", "event", "framed", "packed", "plans", "recent",
                  "tracker", "views")
 
     def __init__(self) -> None:
@@ -104,6 +106,7 @@ class Slot:
         self.event: Any = None  # torch.cuda.Event of the last staging copy
         self.framed: Layout | None = None  # the layout whose frames ``views`` holds
         self.views: list[memoryview] = []
+        self.packed = False  # whether ``views`` is the one data frame of protocol 2
 
     def ensure(self, nbytes: int, pinned: bool) -> torch.Tensor:
         """The buffer, reallocated if it is too small (or not pinned when it must be)."""
@@ -141,14 +144,22 @@ class Slot:
         """A zero-copy view of staged bytes."""
         return self.array[offset:offset + nbytes].data  # type: ignore[no-any-return]
 
-    def frames(self, layout: Layout) -> list[memoryview]:
+    def frames(self, layout: Layout) -> tuple[list[memoryview], bool]:
         """Zero-copy views of the staged tensors of ``layout`` (a layout :meth:`StagingRing.stage`
         returned for this slot; a plan hands out the same layout object while the leading
-        dimension stays, so the views are made once)."""
+        dimension stays, so the views are made once), and whether they are the one data frame
+        of wire protocol 2 (the tensors lie as :func:`broker.wire.packed_layout` places them:
+        always but for a plan with room for more rows than the message has), else one frame
+        per tensor (protocol 1)."""
         if layout is not self.framed:
-            self.views = [self.frame(offset, nbytes) for offset, nbytes in layout]
+            offsets, end = packed_layout([nbytes for _, nbytes in layout])
+            self.packed = all(o == offset for o, (offset, nbytes) in zip(offsets, layout, strict=True) if nbytes)
+            if self.packed:
+                self.views = [self.frame(0, end)]
+            else:
+                self.views = [self.frame(offset, nbytes) for offset, nbytes in layout]
             self.framed = layout
-        return self.views
+        return self.views, self.packed
 
 
 class Plan:
@@ -188,15 +199,16 @@ def _rows(shapes: list[torch.Size]) -> int | None:
 
 
 class Staged:
-    """A message waiting for the sender thread: its topic, run, header and (if it has tensors) slot."""
+    """A message waiting for the sender thread: its topic, run, header and (if it has tensors)
+    slot and the frames of the slot's bytes to send (:meth:`Slot.frames`)."""
 
-    __slots__ = ("control", "event", "header", "layout", "nbytes", "run", "slot", "topic")
+    __slots__ = ("control", "event", "frames", "header", "nbytes", "run", "slot", "topic")
 
-    def __init__(self, topic: bytes, run: str, header: bytes, slot: Slot | None, layout: Layout,
+    def __init__(self, topic: bytes, run: str, header: bytes, slot: Slot | None, frames: list[memoryview],
                  event: Any, control: bool) -> None:
-        self.topic, self.run, self.header, self.slot, self.layout = topic, run, header, slot, layout
+        self.topic, self.run, self.header, self.slot, self.frames = topic, run, header, slot, frames
         self.event, self.control = event, control
-        self.nbytes = len(topic) + len(header) + sum(nb for _, nb in layout)
+        self.nbytes = len(topic) + len(header) + sum(f.nbytes for f in frames)  # on the wire
 
 
 class StagingRing:

@@ -1,20 +1,29 @@
-"""The wire codec: every message kind to and from a ZeroMQ multipart ``[topic, header, frames...]``.
+"""The wire codec: every message kind to and from a ZeroMQ multipart ``[topic, header, data...]``.
 
-Layout (protocol version 1):
+Layout (protocol version 2; version 1 is still decoded):
 
 - ``topic``: the message's topic, UTF-8 (``batch/<term>``, ``episode/end``, ``variation/<key>``,
   ``run/start``, ``run/end``). Subscribers filter on its prefix inside ZeroMQ.
 - ``header``: one msgpack map (no ext types, no pickle) with, in this order, ``v`` (protocol
   version), ``kind``, ``run``, ``seq``, ``step``, ``pub`` (publisher id), ``n`` (wire number of the
   message within its ``(pub, run, topic)`` stream), ``tensors`` (the message's own tensors as
-  ``[name, dtype, shape, frame index]``), then the kind's own keys (``fields`` for batches, in
+  ``[name, dtype, shape, position]``), then the kind's own keys (``fields`` for batches, in
   the same four-item form; ``outcomes`` for episode ends, in that form too: each outcome's
   tensor follows the six flag and count tensors; ``key``/``phase``/``labels`` for variations;
   ``num_worlds``/``device``/``schema``/``metadata``/``variations``/``seed``/``wall_time`` for run
   messages, plus ``interrupted`` and ``streams`` on ``run/end``). Every key of a kind is always written: a missing
   one is malformed, never read as a default.
-- ``frame_i``: raw little-endian bytes of tensor ``i`` (C order; ``bfloat16`` as its raw 16 bits,
-  ``bool`` as one byte 0 or 1).
+- Version 2, ``data``: one frame holding every tensor of the message (messages of kinds with
+  tensors; run messages have no data frame), raw little-endian bytes in C order (``bfloat16``
+  as its raw 16 bits, ``bool`` as one byte 0 or 1). The tensor at position 0 starts at byte 0
+  and each next one at the first multiple of :data:`ALIGN` (64) at or after the end of the
+  one before; the frame ends where the last tensor with any bytes ends. Padding bytes carry
+  nothing. One frame instead of one per tensor: ZeroMQ's cost is per frame, and at a few
+  hundred worlds it dominated.
+- Version 1, ``frame_i``: one frame per tensor instead, tensor ``i`` (its position) in frame
+  ``2 + i``. Publishers write it for messages whose staged tensors are not laid out as version
+  2 needs (a reset batch of fewer worlds than its staging plan has room for), and decoders
+  read both, so receivers must be upgraded before publishers.
 
 Decoding validates everything and raises :class:`WireFormatError` with a stable ``reason``, and
 nothing else, for any received bytes: every header value is type-checked before it is used, and
@@ -25,7 +34,8 @@ one length, that length leading every other tensor, bool tensors holding only 0 
 its *values* (world indices, episode numbers) are for the receiver to check against its run.
 Decoded tensors are CPU tensors built over the received frames without a copy (a read-only
 buffer such as ``bytes`` is copied once, because torch tensors must be writable); they belong to
-the receiver. With ``arrays="numpy"`` they are numpy arrays over the frames instead (read-only
+the receiver (a version 2 message's tensors are disjoint views of its one data frame). With
+``arrays="numpy"`` they are numpy arrays over the frames instead (read-only
 over a read-only buffer; bfloat16 as :class:`broker.BFloat16Bits`), and decoding never imports
 torch: this module imports it only to encode or to decode to torch.
 """
@@ -68,11 +78,13 @@ if TYPE_CHECKING:
     import torch
 
 __all__ = [
+    "ALIGN",
     "DEFAULT_MAX_HEADER_SIZE",
     "DEFAULT_MAX_MESSAGE_SIZE",
     "DTYPES",
     "MAX_DIMS",
     "PROTOCOL_VERSION",
+    "PROTOCOL_VERSIONS",
     "REASONS",
     "SUBSCRIBER_ACK",
     "SUBSCRIBER_HELLO",
@@ -84,6 +96,7 @@ __all__ = [
     "encode",
     "encode_header",
     "message_tensors",
+    "packed_layout",
     "template_key",
     "tensor_spec",
 ]
@@ -91,7 +104,12 @@ __all__ = [
 if sys.byteorder != "little":  # pragma: no cover - every supported platform is little-endian
     raise ImportError("broker.wire: the wire format is little-endian; big-endian hosts are unsupported")
 
-PROTOCOL_VERSION: Final = 1
+PROTOCOL_VERSION: Final = 2
+"""The version this codec writes (see the module docstring)."""
+PROTOCOL_VERSIONS: Final = (1, 2)
+"""The versions it reads."""
+ALIGN: Final = 64
+"""Alignment (bytes) of each tensor inside a version 2 data frame."""
 DEFAULT_MAX_HEADER_SIZE: Final = 1 << 20
 """Largest accepted header (bytes); a RunStart schema of thousands of fields fits easily."""
 DEFAULT_MAX_MESSAGE_SIZE: Final = 1 << 31
@@ -183,13 +201,28 @@ def _entries(specs: Sequence[Spec], first: int) -> list[list[Any]]:
     return [[name, dtype, list(shape), first + i] for i, (name, dtype, shape) in enumerate(specs)]
 
 
+def packed_layout(sizes: Sequence[int]) -> tuple[list[int], int]:
+    """Where a version 2 data frame holds tensors of ``sizes`` bytes (in position order): each
+    one's offset, and the frame's length (the end of the last tensor with any bytes)."""
+    offsets = []
+    offset = end = 0
+    for size in sizes:
+        offsets.append(offset)
+        if size:
+            end = offset + size
+        offset += -(-size // ALIGN) * ALIGN
+    return offsets, end
+
+
 def _head(message: Message, own: Sequence[Spec], fields: Sequence[Spec], publisher: str, number: int,
-          streams: Mapping[str, int] | None) -> tuple[str, dict[str, Any]]:
+          streams: Mapping[str, int] | None, version: int = PROTOCOL_VERSION) -> tuple[str, dict[str, Any]]:
     """The kind of ``message`` and its header as a map, in wire order (see :func:`encode_header`)."""
     kind = _KINDS.get(type(message))
     if kind is None:
         raise _fail("encode", f"message: expected one of {[k.__name__ for k in _KINDS]}, got {message!r}")
-    head: dict[str, Any] = {"v": PROTOCOL_VERSION, "kind": kind, "run": message.run,
+    if version not in PROTOCOL_VERSIONS:
+        raise _fail("encode", f"protocol version {version!r}: expected one of {list(PROTOCOL_VERSIONS)}")
+    head: dict[str, Any] = {"v": version, "kind": kind, "run": message.run,
                             "seq": message.seq, "step": message.step, "pub": publisher, "n": number,
                             "tensors": _entries(own, 0)}
     if isinstance(message, Batch):
@@ -224,16 +257,17 @@ def encode_header(
     publisher: str = "",
     number: int = 0,
     streams: Mapping[str, int] | None = None,
+    version: int = PROTOCOL_VERSION,
 ) -> bytes:
-    """The msgpack header of ``message`` whose tensors have the given specs (frame order: own
-    tensors, then fields: a batch's fields or an episode end's outcomes).
+    """The msgpack header of ``message`` whose tensors have the given specs (position order: own
+    tensors, then fields: a batch's fields or an episode end's outcomes), in protocol ``version``.
 
     Raises:
         WireFormatError: (reason ``"encode"``) a value msgpack cannot carry, e.g. metadata, or
             a run message that receivers would reject (metadata map keys other than str or
             bytes, a schema dtype off the whitelist).
     """
-    kind, head = _head(message, own, fields, publisher, number, streams)
+    kind, head = _head(message, own, fields, publisher, number, streams, version)
     try:
         header: bytes = msgpack.packb(head, use_bin_type=True, strict_types=False)
     except (TypeError, ValueError, OverflowError, msgpack.PackException) as exc:
@@ -257,7 +291,10 @@ _VARYING: Final = ("run", "seq", "step", "pub", "n")
 order): a :class:`HeaderTemplate` packs them per message."""
 _NUMBERS: Final = -1
 _ROWS: Final = -2
-"""Places in a template's chunks for the packed :data:`_VARYING` values and the row count."""
+_VERSION: Final = -3
+"""Places in a template's chunks for the packed :data:`_VARYING` values, the row count and the
+protocol version."""
+_PACKED_VERSIONS: Final = {v: msgpack.packb(v) for v in PROTOCOL_VERSIONS}
 
 
 class HeaderTemplate:
@@ -280,7 +317,7 @@ class HeaderTemplate:
         WireFormatError: (reason ``"encode"``) a constant msgpack cannot carry.
     """
 
-    __slots__ = ("_chunks", "_numbers", "_rows", "_topic")
+    __slots__ = ("_chunks", "_numbers", "_rows", "_topic", "_version")
 
     def __init__(self, message: Message, own: Sequence[Spec], fields: Sequence[Spec], rows: int | None) -> None:
         self._topic = message.topic
@@ -294,7 +331,9 @@ class HeaderTemplate:
                 if key in _VARYING[1:]:
                     continue
                 chunks.append(packer.pack(key))
-                if key == "run":
+                if key == "v":
+                    chunks.append(_VERSION)
+                elif key == "run":
                     chunks.append(_NUMBERS)
                 elif key in ("tensors", _NAMED.get(kind)) and rows is not None:
                     chunks.append(packer.pack_array_header(len(value)))
@@ -314,18 +353,24 @@ class HeaderTemplate:
             else:
                 merged.append(chunk)
         self._numbers = merged.index(_NUMBERS)
+        self._version = merged.index(_VERSION)
         self._rows = [i for i, chunk in enumerate(merged) if chunk == _ROWS]
         self._chunks: list[bytes] = [c if isinstance(c, bytes) else b"" for c in merged]
 
-    def header(self, run: str, seq: int, step: int, publisher: str, number: int, rows: int | None) -> bytes:
+    def header(self, run: str, seq: int, step: int, publisher: str, number: int, rows: int | None,
+               version: int = PROTOCOL_VERSION) -> bytes:
         """The header of a message of this shape with these values (``rows``: its leading
-        dimension, ignored when the template's shapes are fixed).
+        dimension, ignored when the template's shapes are fixed), in protocol ``version``.
 
         Raises:
             WireFormatError: (reason ``"encode"``) a value msgpack cannot carry (an int of 2**64
                 or more or below -2**63, an object msgpack does not know).
         """
         parts = self._chunks.copy()
+        packed_version = _PACKED_VERSIONS.get(version)
+        if packed_version is None:
+            raise _fail("encode", f"protocol version {version!r}: expected one of {list(PROTOCOL_VERSIONS)}")
+        parts[self._version] = packed_version
         try:
             # A list of up to 15 items packs as a one-byte header and then the items exactly as
             # they are packed inside the header map.
@@ -424,9 +469,10 @@ class HeaderCache:
         publisher: str,
         number: int,
         streams: Mapping[str, int] | None = None,
+        version: int = PROTOCOL_VERSION,
     ) -> bytes:
         """The header :func:`encode_header` writes for ``message`` (own tensors and named
-        tensors as :func:`message_tensors` returns them).
+        tensors as :func:`message_tensors` returns them) in protocol ``version``.
 
         Raises:
             WireFormatError: The message cannot be encoded (see :func:`encode_header`).
@@ -439,12 +485,12 @@ class HeaderCache:
                 topic = message.topic
                 return encode_header(message, [tensor_spec(topic, n, t) for n, t in own],
                                      [tensor_spec(topic, n, t) for n, t in fields], publisher=publisher,
-                                     number=number, streams=streams)
+                                     number=number, streams=streams, version=version)
         elif found is not self._recent:  # a repeated shape is already the most recent
             self._exact.move_to_end(key)
             self._recent = found
         template, rows = found
-        return template.header(message.run, message.seq, message.step, publisher, number, rows)
+        return template.header(message.run, message.seq, message.step, publisher, number, rows, version)
 
     def _lookup(self, message: Message, own: Sequence[tuple[str, torch.Tensor]],
                 fields: Sequence[tuple[str, torch.Tensor]],
@@ -497,22 +543,34 @@ def encode(
     publisher: str = "",
     number: int = 0,
     streams: Mapping[str, int] | None = None,
+    version: int = PROTOCOL_VERSION,
 ) -> list[bytes | memoryview]:
-    """``[topic, header, frame_0, ...]`` of ``message``.
+    """The frames of ``message`` in protocol ``version``: ``[topic, header, data]`` (version 2;
+    ``[topic, header]`` for a run message) or ``[topic, header, frame_0, ...]`` (version 1).
 
-    The frames of contiguous CPU tensors are views of the message's tensors (borrowed: send
-    them before the tensors change); other tensors are copied to contiguous host memory.
+    Version 2 copies the tensors into the one data frame. Version 1's frames of contiguous CPU
+    tensors are views of the message's tensors (borrowed: send them before the tensors change);
+    other tensors are copied to contiguous host memory.
 
     Raises:
         WireFormatError: The message cannot be encoded (dtype off the whitelist, metadata
-            msgpack cannot carry).
+            msgpack cannot carry, a version this codec does not write).
     """
     own, fields = message_tensors(message)
     own_specs = [tensor_spec(message.topic, n, t) for n, t in own]
     field_specs = [tensor_spec(message.topic, n, t) for n, t in fields]
     header = encode_header(message, own_specs, field_specs, publisher=publisher, number=number,
-                           streams=streams)
-    return [message.topic.encode(), header, *(_frame(t) for _, t in own + fields)]
+                           streams=streams, version=version)
+    frames = [_frame(t) for _, t in own + fields]
+    if version == 1:
+        return [message.topic.encode(), header, *frames]
+    if not frames:
+        return [message.topic.encode(), header]
+    offsets, end = packed_layout([f.nbytes for f in frames])
+    data = bytearray(end)
+    for frame, offset in zip(frames, offsets, strict=True):
+        data[offset:offset + frame.nbytes] = frame
+    return [message.topic.encode(), header, memoryview(data)]
 
 
 # -- decoding -------------------------------------------------------------------------------
@@ -611,44 +669,76 @@ def _decode(frames: Sequence[Any], max_header_size: int, max_message_size: int,
     own_specs = _specs(topic, head, "tensors", limit)
     named_key = _NAMED.get(kind)
     field_specs = _specs(topic, head, named_key, limit) if named_key is not None else []
-    known = _layouts.get((kind, id(own_specs), id(field_specs)))
+    key = (kind, head["v"], id(own_specs), id(field_specs))
+    known = _layouts.get(key)
     if known is not None and known[0] is own_specs and known[1] is field_specs:
         # these very spec lists (cached by _specs) passed every check below that depends on
         # the header alone: only the frames are checked again
-        items = known[2]
-        _count_frames(topic, payload, len(items))
-        own: dict[str, A] = {}
-        fields: dict[str, A] = {}
-        for is_own, name, dtype, shape, f in items:
-            (own if is_own else fields)[name] = build(topic, name, dtype, shape, frames[2 + f], payload[f])
-        return _finish(topic, kind, head, own, fields, limit)
-    specs = own_specs + field_specs
-    if [s[0] for s in own_specs] != list(_OWN[kind]):
-        raise _fail("schema", f"topic {topic!r}: expected tensors {list(_OWN[kind])} for kind "
-                              f"{kind!r}, got {[s[0] for s in own_specs]}")
-    _count_frames(topic, payload, len(specs))
-    if sorted(s[3] for s in specs) != list(range(len(specs))):
-        raise _fail("header", f"topic {topic!r}: frame indices {[s[3] for s in specs]} are not "
-                              f"each of 0..{len(specs) - 1} once")
-    tensors = {(i < len(own_specs), name): build(topic, name, dtype, shape, frames[2 + f], payload[f])
-               for i, (name, dtype, shape, f) in enumerate(specs)}
-    own = {name: t for (is_own, name), t in tensors.items() if is_own}
-    fields = {name: t for (is_own, name), t in tensors.items() if not is_own}
+        items, end = known[2], known[3]
+    else:
+        items, end = _layout(topic, kind, head["v"], own_specs, field_specs)
+        known = None
+    if head["v"] == 1:
+        _count_frames(topic, payload, len(items), "tensor frames")
+        located = [(frames[2 + f], payload[f]) for _, _, _, _, f, _ in items]
+    elif items:
+        _count_frames(topic, payload, 1, "data frame (protocol 2)")
+        data = payload[0]
+        if data.nbytes != end:
+            raise _fail("shape", f"topic {topic!r}: the data frame has {data.nbytes} bytes, its "
+                                 f"{len(items)} tensors need {end} (protocol 2: each at a "
+                                 f"{ALIGN}-byte aligned offset)")
+        located = [(v, v) for v in (data[o:o + nb] for _, _, _, _, o, nb in items)]
+    else:
+        _count_frames(topic, payload, 0, "data frames (protocol 2)")
+        located = []
+    own: dict[str, A] = {}
+    fields: dict[str, A] = {}
+    for (is_own, name, dtype, shape, _, _), (frame, view) in zip(items, located, strict=True):
+        (own if is_own else fields)[name] = build(topic, name, dtype, shape, frame, view)
     if len(fields) != len(field_specs):
-        raise _fail("schema", f"topic {topic!r}: duplicate {named_key} names "
+        raise _fail("schema", f"topic {topic!r}: duplicate {_NAMED[kind]} names "
                               f"{shown([s[0] for s in field_specs])}")
     decoded = _finish(topic, kind, head, own, fields, limit)
-    if len(_layouts) >= _SPEC_CACHE_SIZE:
-        _layouts.clear()
-    _layouts[(kind, id(own_specs), id(field_specs))] = (
-        own_specs, field_specs, [(i < len(own_specs), *spec) for i, spec in enumerate(specs)])
+    if known is None:  # every check passed: later messages of this layout skip the header-only ones
+        if len(_layouts) >= _SPEC_CACHE_SIZE:
+            _layouts.clear()
+        _layouts[key] = (own_specs, field_specs, items, end)
     return decoded
 
 
-def _count_frames(topic: str, payload: Sequence[Any], expected: int) -> None:
+Item = tuple[bool, str, str, tuple[int, ...], int, int]
+"""One tensor of a checked layout: own (not named), name, dtype, shape, and where its bytes
+are: protocol 1, its frame index and 0; protocol 2, its offset in the data frame and its size."""
+
+
+def _layout(topic: str, kind: str, version: int, own_specs: list[TensorSpec],
+            field_specs: list[TensorSpec]) -> tuple[list[Item], int]:
+    """Each tensor of a message's header, checked against everything the header alone decides
+    (own tensor names, positions), and where its bytes are; with the length of the protocol 2
+    data frame (0 for protocol 1)."""
+    if [s[0] for s in own_specs] != list(_OWN[kind]):
+        raise _fail("schema", f"topic {topic!r}: expected tensors {list(_OWN[kind])} for kind "
+                              f"{kind!r}, got {[s[0] for s in own_specs]}")
+    specs = own_specs + field_specs
+    positions = [s[3] for s in specs]
+    if sorted(positions) != list(range(len(specs))):
+        raise _fail("header", f"topic {topic!r}: frame indices {positions} are not "
+                              f"each of 0..{len(specs) - 1} once")
+    if version == 1:
+        return [(i < len(own_specs), name, dtype, shape, f, 0) for i, (name, dtype, shape, f) in enumerate(specs)], 0
+    sizes = [0] * len(specs)
+    for _, dtype, shape, f in specs:  # shapes are bounded: no product overflows
+        sizes[f] = math.prod(shape) * NUMPY_DTYPES[dtype].itemsize
+    offsets, end = packed_layout(sizes)
+    return [(i < len(own_specs), name, dtype, shape, offsets[f], sizes[f])
+            for i, (name, dtype, shape, f) in enumerate(specs)], end
+
+
+def _count_frames(topic: str, payload: Sequence[Any], expected: int, what: str) -> None:
     if len(payload) != expected:
         reason = "missing frames" if len(payload) < expected else "extra frames"
-        raise _fail(reason, f"topic {topic!r}: header describes {expected} tensor frames, got "
+        raise _fail(reason, f"topic {topic!r}: header describes {expected} {what}, got "
                             f"{len(payload)}")
 
 
@@ -677,9 +767,9 @@ def _unpack(topic: str, header: memoryview) -> dict[str, Any]:
     if not isinstance(head, dict):
         raise _fail("header", f"topic {topic!r}: header must be a msgpack map, got {type(head).__name__}")
     version = head.get("v")
-    if type(version) is not int or version != PROTOCOL_VERSION:  # not True, not 1.0
+    if type(version) is not int or version not in PROTOCOL_VERSIONS:  # not True, not 1.0
         raise _fail("version", f"topic {topic!r}: unsupported protocol version {shown(version)} "
-                               f"(this codec speaks version {PROTOCOL_VERSION})")
+                               f"(this codec reads versions {', '.join(map(str, PROTOCOL_VERSIONS))})")
     return head
 
 
@@ -714,11 +804,10 @@ the entries packed again with msgpack (which, unlike ``==``, tells ``true`` from
 ``1.0``): only entries that passed :func:`_check_specs` under that limit are cached."""
 
 
-_layouts: dict[tuple[str, int, int], tuple[list[TensorSpec], list[TensorSpec],
-                                           list[tuple[bool, str, str, tuple[int, ...], int]]]] = {}
-"""Kind and the identities of two spec lists from :func:`_specs`'s cache -> those lists (kept
-alive, so their identities stay theirs) and each tensor's ``(own, name, dtype, shape, frame)``:
-the layouts of messages that passed every header-only check of :func:`_decode`."""
+_layouts: dict[tuple[str, int, int, int], tuple[list[TensorSpec], list[TensorSpec], list[Item], int]] = {}
+"""Kind, protocol version and the identities of two spec lists from :func:`_specs`'s cache ->
+those lists (kept alive, so their identities stay theirs), the :data:`Item` of each tensor and the
+data frame's length: the layouts of messages that passed every check of :func:`_decode`."""
 
 
 def _specs(topic: str, head: dict[str, Any], key: str, limit: int) -> list[TensorSpec]:

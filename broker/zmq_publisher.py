@@ -30,7 +30,7 @@ from .security import CurveClient, CurveServer, attach
 from .wire import SUBSCRIBER_ACK, SUBSCRIBER_HELLO, HeaderCache, message_tensors
 
 if TYPE_CHECKING:  # staging imports torch: only publishing needs it (subscribers import this module)
-    from .staging import Layout, Slot, Staged
+    from .staging import Slot, Staged
 
 __all__ = ["DEFAULT_ENDPOINT", "HandshakeWatch", "Policy", "PublisherStatistics", "ZmqPublisher", "handshake_cause",
            "hello_subscription"]
@@ -422,7 +422,7 @@ class ZmqPublisher:
         control = topic.startswith("run/")
         tensors = own + fields
         slot: Slot | None = None
-        layout: Layout = []
+        views: list[memoryview] = []
         event: Any = None
         if tensors:
             try:
@@ -439,13 +439,17 @@ class ZmqPublisher:
                 return
             try:
                 layout, event = self._ring.stage(slot, [t for _, t in tensors])
+                views, packed = slot.frames(layout)
+                if not packed:  # not laid out as one data frame: protocol 1
+                    header = self._headers.header(message, own, fields, publisher=self.id, number=number,
+                                                  version=1)
             except BaseException:
                 self._ring.release(slot, None)
                 self._failed_here += 1
                 raise
         from .staging import Staged
 
-        item = Staged(topic.encode(), run, header, slot, layout, event, control)
+        item = Staged(topic.encode(), run, header, slot, views, event, control)
         with self._cond:
             if self._done:  # the sender thread has stopped: nobody would send it
                 self._failed_here += 1
@@ -642,8 +646,9 @@ class ZmqPublisher:
         if slot is not None:
             # Frames at or above the copy threshold go zero-copy out of the slot; ZeroMQ
             # releases the parts of a message in order, so tracking the last one covers all.
-            frames += slot.frames(item.layout)
-            last = max((i for i, (_, nb) in enumerate(item.layout) if nb >= _COPY_THRESHOLD), default=-1)
+            views = item.frames
+            frames += views
+            last = max((i for i, view in enumerate(views) if view.nbytes >= _COPY_THRESHOLD), default=-1)
             if last >= 0:
                 frames[2 + last] = zmq.Frame(frames[2 + last], track=True)
                 trackers.append(frames[2 + last])

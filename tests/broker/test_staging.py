@@ -9,7 +9,7 @@ import pytest
 import torch
 from trackers import FakeTracker
 
-from broker import staging
+from broker import staging, wire
 from broker.staging import StagingRing
 
 DTYPES = [torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16,
@@ -117,6 +117,7 @@ def test_messages_that_differ_only_in_their_number_of_worlds_share_one_plan() ->
     slot = ring.acquire(False, 0.0)
     assert slot is not None
     sizes = [n * 37 % 200 for n in range(200)]  # 0..199, in a scrambled order
+    kinds = set()
     for n in sizes:
         tensors = [torch.arange(n, dtype=torch.int64) - n, (torch.arange(3 * n, dtype=torch.float32) / 7).reshape(n, 3),
                    torch.arange(n) % 3 == 0,
@@ -124,7 +125,16 @@ def test_messages_that_differ_only_in_their_number_of_worlds_share_one_plan() ->
         layout, _ = ring.stage(slot, tensors)
         want = [_bits(t) for t in tensors]
         assert [bytes(slot.frame(*lo)) for lo in layout] == want
-        assert [bytes(f) for f in slot.frames(layout)] == want
+        views, packed = slot.frames(layout)
+        if packed:  # one protocol 2 data frame: each tensor where the wire's layout puts it
+            offsets, end = wire.packed_layout([nb for _, nb in layout])
+            assert [v.nbytes for v in views] == [end]
+            assert [bytes(views[0][o:o + nb]) for o, (_, nb) in zip(offsets, layout, strict=True)] == want
+            kinds.add("packed")
+        else:  # a plan with room for more rows: a frame per tensor
+            assert [bytes(f) for f in views] == want
+            kinds.add("per tensor")
+    assert kinds == {"packed", "per tensor"}
     assert len(slot.plans) == 1
     assert ring.plans_built == 5  # room for 1 row (0 first), 37, 74, 148, 296: not one per size
 

@@ -36,6 +36,44 @@ def _bytes(frames: list[bytes | memoryview]) -> list[bytes]:
     return [bytes(f) for f in frames]
 
 
+def _data(*tensors: bytes) -> bytes:
+    """A protocol 2 data frame, as the module docstring defines it: each tensor at the next
+    multiple of 64 bytes, the frame ending with the last tensor with bytes."""
+    out = b""
+    for t in tensors:
+        if t:
+            out += b"\x00" * (-len(out) % 64) + t
+    return out
+
+
+def _v2(frames: list[bytes]) -> list[bytes]:
+    """Protocol 1 frames as protocol 2 writes them (the version byte ``\\xa1v\\x01`` at the
+    start of the header becomes 2; the tensor frames one data frame); padding compared as zeros."""
+    header = frames[1].replace(b"\xa1v\x01", b"\xa1v\x02", 1)
+    return [frames[0], header, _data(*frames[2:])] if len(frames) > 2 else [frames[0], header]
+
+
+def _zero_padding(frames: list[bytes], message: Message) -> list[bytes]:
+    """``frames`` with the padding bytes of a protocol 2 data frame zeroed (they carry nothing)."""
+    if len(frames) < 3:
+        return frames
+    from broker.wire import message_tensors, packed_layout
+
+    own, named = message_tensors(message)
+    sizes = [t.numel() * t.element_size() for _, t in own + named]
+    offsets, end = packed_layout(sizes)
+    data = bytearray(end)
+    for offset, size in zip(offsets, sizes, strict=True):
+        data[offset:offset + size] = frames[2][offset:offset + size]
+    return [*frames[:2], bytes(data)]
+
+
+def _both(message: Message, **kwargs: object) -> tuple[list[bytes], list[bytes]]:
+    """``message`` encoded in protocol 1 and in protocol 2 (the default)."""
+    return (_bytes(encode(message, version=1, **kwargs)),  # type: ignore[arg-type]
+            _zero_padding(_bytes(encode(message, **kwargs)), message))  # type: ignore[arg-type]
+
+
 def test_batch_is_byte_exact() -> None:
     message = Batch("r1", 3, 7, "batch/obs", W, E, {
         "x": torch.tensor([[1.0], [2.0]]), "done": torch.tensor([True, False])})
@@ -54,7 +92,8 @@ def test_batch_is_byte_exact() -> None:
         b"\xa6fields\x92\x94\xa1x\xa7float32\x92\x02\x01\x02\x94\xa4done\xa4bool\x91\x02\x03"
         b"\xa4hook\xa9post_step"  # "hook": "post_step"
     )
-    assert _bytes(encode(message, publisher="p", number=2)) == [
+    v1, v2 = _both(message, publisher="p", number=2)
+    assert v1 == [
         b"batch/obs",  # topic: ZeroMQ filters on its prefix
         header,
         WORLDS_FRAME,  # frame 0: worlds
@@ -62,6 +101,19 @@ def test_batch_is_byte_exact() -> None:
         b"\x00\x00\x80?\x00\x00\x00@",  # frame 2: x, float32 [[1.0], [2.0]]
         b"\x01\x00",  # frame 3: done, one byte per bool
     ]
+    assert v2 == [
+        b"batch/obs",
+        b"\x8a\xa1v\x02" + header[4:],  # the same header but for "v": 2
+        # one data frame: each tensor at a multiple of 64 bytes, in position order
+        WORLDS_FRAME + bytes(48) + EPISODES_FRAME + bytes(48) + b"\x00\x00\x80?\x00\x00\x00@" + bytes(56)
+        + b"\x01\x00",
+    ]
+    for frames in (v1, v2):
+        back = decode(frames)
+        assert isinstance(back, Batch)
+        assert back.fields["x"].tolist() == [[1.0], [2.0]]
+        assert back.fields["done"].tolist() == [True, False]
+        assert back.worlds.tolist() == [0, 2]
 
 
 def test_episode_end_is_byte_exact() -> None:
@@ -78,8 +130,9 @@ def test_episode_end_is_byte_exact() -> None:
         # "outcomes": [["return", "float32", [2], 6]], in the tensors' four-item form
         b"\xa8outcomes\x91\x94\xa6return\xa7float32\x91\x02\x06"
     )
-    frames = encode(message, publisher="p", number=2)
-    assert _bytes(frames) == [
+    v1, frames = _both(message, publisher="p", number=2)
+    assert frames == _v2(v1)
+    assert v1 == [
         b"episode/end", header, WORLDS_FRAME, EPISODES_FRAME,
         b"\x01\x00",  # success
         b"\x00\x00",  # terminated
@@ -109,10 +162,12 @@ def test_variation_sample_is_byte_exact() -> None:
         b"\xa5phase\xa5build"  # "phase": "build"
         b"\xa6labels\xc0"  # "labels": nil (not categorical)
     )
-    assert _bytes(encode(message, publisher="p", number=2)) == [
+    v1, v2 = _both(message, publisher="p", number=2)
+    assert v1 == [
         b"variation/mass", header, WORLDS_FRAME, EPISODES_FRAME,
         b"\x00\x38\x00\x3e",  # value, float16 [0.5, 1.5] = 0x3800, 0x3e00
     ]
+    assert v2 == _v2(v1)
 
 
 def test_run_start_and_end_are_byte_exact() -> None:
@@ -120,7 +175,8 @@ def test_run_start_and_end_are_byte_exact() -> None:
     start = RunStart("r1", 0, 0, 2, "cpu", {"batch/obs": {"x": FieldSpec("float32", (1,))}},
                      {"task": "lift"}, variations={"mass": decl}, seed=3, wall_time=1.5)
     common = b"\xa3run\xa2r1"
-    frames = encode(start, publisher="p", number=2)
+    frames = encode(start, publisher="p", number=2, version=1)
+    assert _v2(_bytes(frames)) == _bytes(encode(start, publisher="p", number=2))  # no data frame
     assert _bytes(frames) == [b"run/start", (
         b"\x8f\xa1v\x01\xa4kind\xa9run_start" + common + b"\xa3seq\x00\xa4step\x00\xa3pub\xa1p\xa1n\x02"
         b"\xa7tensors\x90"  # no tensor frames
@@ -139,7 +195,9 @@ def test_run_start_and_end_are_byte_exact() -> None:
     assert (back.variations, back.seed, back.wall_time) == ({"mass": decl}, 3, 1.5)
     assert type(back.wall_time) is float
     end = RunEnd("r1", 5, 8, 2, "cpu")
-    assert _bytes(encode(end, publisher="p", number=2, streams={"batch/obs": 1})) == [b"run/end", (
+    assert _v2(_bytes(encode(end, publisher="p", number=2, streams={"batch/obs": 1}, version=1))) == _bytes(
+        encode(end, publisher="p", number=2, streams={"batch/obs": 1}))
+    assert _bytes(encode(end, publisher="p", number=2, streams={"batch/obs": 1}, version=1)) == [b"run/end", (
         b"\xde\x00\x11\xa1v\x01\xa4kind\xa7run_end" + common  # map of 17 entries
         + b"\xa3seq\x05\xa4step\x08\xa3pub\xa1p\xa1n\x02"
         b"\xa7tensors\x90\xaanum_worlds\x02\xa6device\xa3cpu\xa6schema\x80\xa8metadata\x80"
@@ -164,13 +222,14 @@ def _values(dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
     return torch.randint(0, 100, shape, dtype=dtype)
 
 
+@pytest.mark.parametrize("version", [1, 2])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("shape", [(3,), (3, 0), (3, 2, 5), (0,)], ids=str)
-def test_field_round_trips_bit_exact(dtype: torch.dtype, shape: tuple[int, ...]) -> None:
+def test_field_round_trips_bit_exact(dtype: torch.dtype, shape: tuple[int, ...], version: int) -> None:
     n = shape[0]
     value = _values(dtype, shape)
     message = Batch("r", 1, 2, "batch/t", torch.arange(n), torch.zeros(n, dtype=torch.int64), {"v": value})
-    out = decode(encode(message))
+    out = decode(encode(message, version=version))
     assert isinstance(out, Batch)
     got = out.fields["v"]
     assert got.dtype == dtype
@@ -217,19 +276,26 @@ def test_labels_metadata_and_hooks_round_trip() -> None:
     assert decode(encode(b)).hook == "pre_reset"  # type: ignore[union-attr]
 
 
-def test_decode_wraps_zmq_frames_without_copy() -> None:
+@pytest.mark.parametrize("version", [1, 2])
+def test_decode_wraps_zmq_frames_without_copy(version: int) -> None:
     message = Batch("r", 0, 0, "batch/a", W, E, {"x": torch.arange(20_000, dtype=torch.float32).reshape(2, -1)})
-    frames = [zmq.Frame(bytes(f)) for f in encode(message)]
+    frames = [zmq.Frame(bytes(f)) for f in encode(message, version=version)]
     out = decode(frames)
     assert isinstance(out, Batch)
-    address = np.frombuffer(frames[4].buffer, dtype=np.uint8).ctypes.data
+    # protocol 1: x is frame 4; protocol 2: at byte 128 of the data frame (after worlds and episodes)
+    frame, offset = (frames[4], 0) if version == 1 else (frames[2], 128)
+    address = np.frombuffer(frame.buffer, dtype=np.uint8).ctypes.data + offset
     assert out.fields["x"].data_ptr() == address  # the tensor lives in the received frame
     assert torch.equal(out.fields["x"], message.fields["x"])
+    if version == 2:  # views of one frame, but disjoint: writing one leaves the others alone
+        out.fields["x"].fill_(-1)
+        assert out.worlds.tolist() == [0, 2]
+        assert out.episodes.tolist() == [1, 0]
 
 
 def test_encode_frames_are_views_of_the_tensors() -> None:
     x = torch.zeros(2, 4)
-    frames = encode(Batch("r", 0, 0, "batch/a", W, E, {"x": x}))
+    frames = encode(Batch("r", 0, 0, "batch/a", W, E, {"x": x}), version=1)
     x += 1  # borrowed: the frame sees the change, so send before the tensors change
     assert bytes(frames[4]) == torch.ones(2, 4).numpy().tobytes()
 
@@ -258,20 +324,23 @@ def test_encode_refuses_run_messages_receivers_would_reject() -> None:
 # -- bad input ---------------------------------------------------------------------------
 
 
-def _good() -> list[bytes]:
-    return _bytes(encode(Batch("r", 0, 0, "batch/a", W, E, {"x": torch.ones(2, 3)})))
+def _good(version: int = 1) -> list[bytes]:
+    return _bytes(encode(Batch("r", 0, 0, "batch/a", W, E, {"x": torch.ones(2, 3)}), version=version))
 
 
-def _with_header(**changes: object) -> list[bytes]:
-    frames = _good()
+def _with_header(version: int = 1, **changes: object) -> list[bytes]:
+    frames = _good(version)
     head = msgpack.unpackb(frames[1])
     head.update(changes)
     frames[1] = msgpack.packb(head)
     return frames
 
 
-def _field(entry: list[object]) -> list[bytes]:
-    return _with_header(fields=[entry])
+def _field(entry: list[object], version: int = 1) -> list[bytes]:
+    return _with_header(version, fields=[entry])
+
+
+V2_DATA = 64 + 64 + 24  # worlds, episodes (16 bytes each, padded to 64), then x: 2x3 float32
 
 
 BAD: list[tuple[str, list[bytes], str, str]] = [
@@ -286,7 +355,21 @@ BAD: list[tuple[str, list[bytes], str, str]] = [
     ("object dtype", _field(["x", "object", [2, 3], 2]), "dtype", "'object'"),
     ("bad entry", _field(["x", "float32"]), "header", r"must be \[name, dtype, shape, frame\]"),
     ("frame reused", _field(["x", "float32", [2, 3], 0]), "header", "are not each of 0..2 once"),
-    ("wrong version", _with_header(v=2), "version", "unsupported protocol version 2"),
+    ("wrong version", _with_header(v=3), "version", r"unsupported protocol version 3 \(this codec reads versions 1, 2\)"),
+    ("version 2 without data frame", _good(2)[:2], "missing frames",
+     r"header describes 1 data frame \(protocol 2\), got 0"),
+    ("version 2 frame per tensor", _with_header(v=2), "extra frames", r"describes 1 data frame \(protocol 2\), got 3"),
+    ("version 1 data frame", _with_header(2, v=1), "missing frames", "header describes 3 tensor frames, got 1"),
+    ("version 2 extra frame", [*_good(2), b""], "extra frames", "got 2"),
+    ("version 2 short data", [*_good(2)[:2], _good(2)[2][:-1]], "shape",
+     rf"the data frame has {V2_DATA - 1} bytes, its 3 tensors need {V2_DATA} \(protocol 2: each at a 64-byte"),
+    ("version 2 long data", [*_good(2)[:2], _good(2)[2] + b"\x00"], "shape", f"has {V2_DATA + 1} bytes"),
+    ("version 2 unpadded", [*_good(2)[:2], WORLDS_FRAME + EPISODES_FRAME + bytes(24)], "shape", "has 56 bytes"),
+    ("version 2 shape mismatch", _field(["x", "float32", [2, 4], 2], 2), "shape", f"need {V2_DATA + 8}"),
+    ("version 2 bool byte", _field(["x", "bool", [2, 12], 2], 2), "value", "bool frame holds bytes other than 0 and 1"),
+    ("version 2 position reused", _field(["x", "float32", [2, 3], 1], 2), "header", "are not each of 0..2 once"),
+    ("version run data frame", [*_bytes(encode(RunEnd("r", 0, 0, 2, "cpu"))), b""], "extra frames",
+     r"header describes 0 data frames \(protocol 2\), got 1"),
     ("no version", [b"batch/a", msgpack.packb({"kind": "batch"})], "version", "version None"),
     ("unknown kind", _with_header(kind="pickle"), "kind", "unknown message kind 'pickle'"),
     ("bad seq", _with_header(seq=-1), "header", "header key 'seq' is missing or invalid: -1"),

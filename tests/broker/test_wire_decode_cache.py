@@ -14,12 +14,13 @@ import torch
 from broker import Batch, WireFormatError, wire
 
 
-def _batch(worlds: int = 4, width: int = 3) -> list[bytes]:
+def _batch(worlds: int = 4, width: int = 3, version: int = 1) -> list[bytes]:
+    """A batch in protocol ``version`` (1 unless asked: most checks here are per tensor frame)."""
     fields = {"obs": torch.arange(worlds * width, dtype=torch.float32).reshape(worlds, width),
               "done": torch.arange(worlds) % 2 == 0}
     message = Batch("run", 1, 2, "batch/obs", torch.arange(worlds), torch.zeros(worlds, dtype=torch.int64),
                     fields)
-    return [bytes(f) for f in wire.encode(message, publisher="p", number=5)]
+    return [bytes(f) for f in wire.encode(message, publisher="p", number=5, version=version)]
 
 
 def _header(frames: list[bytes], **changes: object) -> list[bytes]:
@@ -46,6 +47,47 @@ def test_cached_header_decodes_the_same_values(arrays: wire.Arrays) -> None:
     np.testing.assert_array_equal(np.asarray(message.fields["obs"]).reshape(-1),
                                   np.frombuffer(other[4], dtype=np.float32))
     np.testing.assert_array_equal(np.asarray(message.fields["done"]), np.frombuffer(other[5], dtype=np.bool_))
+
+
+@pytest.mark.parametrize("arrays", ["torch", "numpy"])
+def test_cached_protocol_2_header_decodes_the_same_values(arrays: wire.Arrays) -> None:
+    """Protocol 2: a second message of the same shape decodes to its own data frame's values,
+    at the offsets its shapes give (obs at 128: after worlds and episodes, 32 bytes each, padded
+    to 64; done at 192)."""
+    frames = _batch(version=2)
+    wire.decode(frames, arrays=arrays)
+    data = bytearray(frames[2])
+    data[128:128 + 48] = bytes(reversed(data[128:128 + 48]))  # obs values changed, header unchanged
+    data[192:196] = b"\x00\x01\x01\x00"
+    message = wire.decode([*frames[:2], bytes(data)], arrays=arrays)
+    assert isinstance(message, Batch)
+    np.testing.assert_array_equal(np.asarray(message.fields["obs"]).reshape(-1),
+                                  np.frombuffer(data[128:128 + 48], dtype=np.float32))
+    assert np.asarray(message.fields["done"]).tolist() == [False, True, True, False]
+
+
+def test_protocol_2_cache_hit_still_checks_its_data_frame() -> None:
+    """Protocol 2, a cached layout: a data frame a byte short or long, a bool byte of 2, no data
+    frame or two: each refused as on the first decode."""
+    frames = _batch(version=2)
+    _decode(frames)
+    _decode(frames)
+    data = frames[2]
+    assert len(data) == 192 + 4
+    for wrong in (data[:-1], data + b"\x00"):
+        with pytest.raises(WireFormatError, match=f"the data frame has {len(wrong)} bytes, its 4 tensors need 196") as info:
+            _decode([*frames[:2], wrong])
+        assert info.value.reason == "shape"
+    with pytest.raises(WireFormatError) as info:
+        _decode([*frames[:2], data[:192] + b"\x02" + data[193:]])
+    assert info.value.reason == "value"
+    with pytest.raises(WireFormatError) as info:
+        _decode(frames[:2])
+    assert info.value.reason == "missing frames"
+    with pytest.raises(WireFormatError) as info:
+        _decode([*frames, b""])
+    assert info.value.reason == "extra frames"
+    assert _decode(frames).fields["obs"].shape == (4, 3)
 
 
 def test_cache_hit_still_checks_frames() -> None:

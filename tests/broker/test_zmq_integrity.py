@@ -478,7 +478,7 @@ def test_a_foreign_many_frame_message_over_the_limit_is_bounded_as_a_whole(
         many = numbered(1)
         many.fields.update({f"f{k}": torch.full((4, 64), k, dtype=torch.int64) for k in range(200)})  # 400 kB
         for number, message in enumerate([numbered(0), many, numbered(2)]):
-            raw.send_multipart(encode(message, publisher="P", number=number))
+            raw.send_multipart(encode(message, publisher="P", number=number, version=1))
         items = drain(sub)
     finally:
         raw.close(linger=0)

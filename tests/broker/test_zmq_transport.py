@@ -93,6 +93,35 @@ def test_every_kind_round_trips(make_pub: MakePub, make_sub: MakeSub, free_endpo
     assert sub.statistics().received == len(sent)
 
 
+def test_publisher_sends_one_data_frame_unless_the_staged_rows_are_spread(
+        make_pub: MakePub, make_sub: MakeSub, free_endpoint: Callable[[], str], broker: Broker,
+        numbered: Callable[..., Batch], check_numbered: Callable[..., int], drain: Callable[..., list[Any]],
+        join: Callable[..., None], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Protocol 2 (one data frame) for every message staged as the wire lays it out; protocol 1
+    (a frame per tensor) for a reset batch of fewer worlds than its staging plan has room for.
+    Either way every message arrives byte for byte as published."""
+    import broker.zmq_subscriber as zmq_subscriber
+
+    seen: list[tuple[int, int]] = []  # (protocol version, frames) of each message received
+    decode = zmq_subscriber.decode_envelope
+
+    def spy(frames: list[Any], **kwargs: Any) -> Any:
+        seen.append((msgpack.unpackb(bytes(frames[1]))["v"], len(frames)))
+        return decode(frames, **kwargs)
+
+    monkeypatch.setattr(zmq_subscriber, "decode_envelope", spy)
+    pub = make_pub(free_endpoint(), slots=1)  # one slot: its plan for the shape keeps room for 64 rows
+    sub = make_sub(pub.endpoints[0])
+    join(pub, sub)
+    broker.subscribe("", pub)
+    worlds = [64, 3, 64, 1, 64]  # per-step batches of every world, resets of a few between them
+    for seq, n in enumerate(worlds, 1):
+        broker.publish(numbered(seq, worlds=n))
+    got = drain(sub)
+    assert [check_numbered(item) for item in got] == [1, 2, 3, 4, 5]
+    assert seen == [(2, 3), (1, 6), (2, 3), (1, 6), (2, 3)]
+
+
 def test_source_may_change_right_after_publish(make_pub: MakePub, make_sub: MakeSub,
                                                free_endpoint: Callable[[], str], broker: Broker,
                                                batch: Callable[..., Batch]) -> None:
@@ -258,13 +287,14 @@ def test_gaps_are_exact_for_any_topic_choice(make_sub: MakeSub, free_endpoint: C
     assert sub_a.statistics().missing == 3
 
 
+@pytest.mark.parametrize("version", [1, 2])
 def test_bad_messages_are_counted_and_skipped(make_sub: MakeSub, free_endpoint: Callable[[], str],
-                                              batch: Callable[..., Batch]) -> None:
-    good = [bytes(f) for f in encode(batch(1), publisher="P")]
+                                              batch: Callable[..., Batch], version: int) -> None:
+    good = [bytes(f) for f in encode(batch(1), publisher="P", version=version)]
     head = msgpack.unpackb(good[1])
     bad = [
         [b"batch/obs"],  # missing header
-        good[:3],  # truncated
+        good[:-1],  # truncated
         [*good, b"extra"],
         [good[0], msgpack.packb({**head, "v": 99}), *good[2:]],
         [good[0], msgpack.packb({**head, "fields": [["x", "complex64", [4, 3], 2], head["fields"][1]]}), *good[2:]],
