@@ -26,7 +26,7 @@ import torch
 
 from broker import Batch, Broker, Message
 from capture import FunctionTerm, Recorder
-from consumers import FieldStatistics, LiveStatistics
+from consumers import FieldStatistics, LiveStatistics, live_stats
 
 FLOAT32_BOUNDS = (1e-6, 1e-6)   # mean error in standard deviations, relative std error
 FLOAT64_BOUNDS = (1e-12, 1e-12)
@@ -223,9 +223,13 @@ def test_half_bfloat16_and_integer_fields_over_ten_thousand_steps() -> None:
                        bounds, name)
 
 
-def test_batches_of_several_blocks_with_large_means_match_numpy() -> None:
-    # 2500 rows a batch: blocks of 1024, 1024 and 452 rows (not a multiple of 16), about one
-    # shift per window of blocks; a float16 and an int32 field take the converting path.
+@pytest.mark.parametrize("block", [None, 1024])
+def test_batches_of_several_blocks_with_large_means_match_numpy(block: int | None, monkeypatch: pytest.MonkeyPatch) -> None:
+    # 2500 rows a batch: one block, or (blocks of 1024 rows) blocks of 1024, 1024 and 452 rows
+    # (not a multiple of 16), about one shift per window of blocks; a float16 and an int32
+    # field take the converting path.
+    if block is not None:
+        monkeypatch.setattr(live_stats, "_BLOCK_ROWS", block)
     steps, worlds = 120, 2500
     gen = torch.Generator().manual_seed(9)
     stats = LiveStatistics()

@@ -54,7 +54,7 @@ def steady_ops(fields: int, worlds: int) -> list[str]:
     return log.ops
 
 
-@pytest.mark.parametrize("worlds", [8, 2500, 4096])  # one block; blocks of 1024 rows, the last partial or not
+@pytest.mark.parametrize("worlds", [8, 4096, 9000, 12288])  # one block; blocks of 4096 rows, the last partial or not
 def test_tensor_ops_per_batch_do_not_grow_with_the_number_of_fields(worlds: int) -> None:
     few, many = steady_ops(4, worlds), steady_ops(40, worlds)
     assert few == many  # the same operations, in the same order, for 8 or 80 fields
@@ -66,17 +66,18 @@ def test_tensor_ops_per_batch_do_not_grow_with_the_number_of_fields(worlds: int)
 
 
 def test_windows_merge_every_so_many_blocks_and_on_read() -> None:
-    # The accumulators change only when a window is merged: after 64 blocks (16 batches of 4096
-    # rows, 64 of one block) or when read; every row is counted exactly once either way.
+    # The accumulators change only when a window is merged: after 64 blocks (16 batches of 4
+    # blocks, 64 of one block) or when read; every row is counted exactly once either way.
     stats = LiveStatistics()
     merges = []
+    rows = 4 * _BLOCK_ROWS
     for step in range(40):
         with OpLog() as log:
-            stats(batch(floats(3, 4096, seed=step), step))
+            stats(batch(floats(3, rows, seed=step), step))
         merges.append("aten.addcmul_.default" in log.ops)
     assert [i for i, m in enumerate(merges) if m] == [16, 32]
-    assert stats.summary().fields["t/x0"].count == 40 * 4096
-    assert stats.summary().fields["t/x0"].count == 40 * 4096  # a second read merges nothing
+    assert stats.summary().fields["t/x0"].count == 40 * rows
+    assert stats.summary().fields["t/x0"].count == 40 * rows  # a second read merges nothing
 
 
 def test_summary_reads_each_layout_back_once() -> None:
