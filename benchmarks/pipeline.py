@@ -107,7 +107,7 @@ def _publisher(args: Any) -> None:
     remaining = rng.integers(lo, hi, args.worlds)
     ends: list[np.ndarray] = []
     steps = 0
-    t0 = time.time()
+    t0, cpu0 = time.time(), time.process_time()
     while time.time() - t0 < args.seconds:
         current.clear()
         current.update({k: torch.from_numpy(v) for k, v in _stamped(pool, rec.step).items()})
@@ -122,12 +122,12 @@ def _publisher(args: Any) -> None:
                                   rec.episode_length.numpy()[done], success.numpy()], axis=1))
             rec.record_pre_reset(idx, success=success, truncated=~success)
             remaining[done] = rng.integers(lo, hi, len(done))
-    t_published = time.time()
+    t_published, cpu = time.time(), time.process_time() - cpu0
     rec.close()
     pub.close(timeout=120.0)
     np.save(args.ends, np.concatenate(ends) if ends else np.zeros((0, 4), np.int64))
     print(json.dumps({"t0": t0, "t_published": t_published, "t_closed": time.time(),
-                      "steps": steps, "bytes": steps * payload_bytes(
+                      "cpu_seconds": cpu, "steps": steps, "bytes": steps * payload_bytes(
                           {k: torch.from_numpy(v[0]) for k, v in pool.items()})}), flush=True)
 
 
@@ -334,6 +334,15 @@ def _written(io_file: Path, store: str, received: int, rows: int, worlds: int) -
             "amplification": None if written is None or not field_bytes else written / field_bytes,
             "amplification_vs_store": None if written is None else written / stored}
 
+def _cpu_seconds(pid: int) -> float | None:
+    """CPU time (user and system, every thread) of process ``pid`` so far, or ``None`` once it is gone."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
+
+
 def _vm_hwm(pid: int) -> int:
     try:
         for line in Path(f"/proc/{pid}/status").read_text().splitlines():
@@ -358,9 +367,10 @@ def _pipeline(args: Any, root: Path, store: str) -> dict[str, Any]:
         endpoint = pub.stdout.readline().strip()
         daemon = subprocess.Popen(_daemon_command(args, store, endpoint, 1, io_file),
                                   stderr=subprocess.PIPE, text=True, env=env)
-        peak = 0
+        peak, daemon_cpu = 0, 0.0
         while daemon.poll() is None:
             peak = max(peak, _vm_hwm(daemon.pid))
+            daemon_cpu = _cpu_seconds(daemon.pid) or daemon_cpu  # the last reading before it exits
             time.sleep(0.1)
         t_stored = time.time()
         assert daemon.stderr is not None
@@ -379,6 +389,11 @@ def _pipeline(args: Any, root: Path, store: str) -> dict[str, Any]:
     return {"steps": summary["steps"], "bytes": summary["bytes"], "e2e_seconds": seconds,
             "publish_seconds": summary["t_published"] - summary["t0"],
             "gb_per_s": summary["bytes"] / seconds / 1e9, "steps_per_s": summary["steps"] / seconds,
+            # where the cores go, per published step: the publisher process (the stand-in
+            # simulation making each step's payload, the recorder, staging, ZeroMQ) while it
+            # publishes, and the daemon process over its whole life (start-up included)
+            "publisher_cpu_ms_per_step": 1e3 * summary["cpu_seconds"] / max(summary["steps"], 1),
+            "daemon_cpu_ms_per_step": 1e3 * daemon_cpu / max(summary["steps"], 1),
             "daemon_peak_rss_bytes": peak, "daemon_log_tail": daemon_log[-500:], **check,
             **_written(io_file, store, summary["bytes"], check["rows_checked"], args.worlds)}
 
@@ -611,7 +626,8 @@ def main() -> None:
     others = [p for p in paths if p != "writer"]
     headers = ["store", "daemon writer", "worlds", "steps/s", "e2e GB/s", "zmq GB/s", "zarr GB/s", "fraction",
                "writer GB/s", "of writer", *(f"{p} GB/s" for p in others), "stored field GB", "written GB",
-               "store GB", "amplif.", "vs store", "peak RSS MB", "byte-equal"]
+               "store GB", "amplif.", "vs store", "peak RSS MB", "byte-equal", "pub CPU ms/step",
+               "daemon CPU ms/step"]
     row = [args.store, args.daemon_writer, args.worlds, result["steps_per_s"], result["gb_per_s"],
            ceilings["zmq"]["median"], ceilings["zarr"]["median"],
            case["fraction_of_slower_ceiling"], ceilings["writer"]["median"],
@@ -619,7 +635,8 @@ def main() -> None:
            result["field_bytes"] / 1e9, "-" if result["bytes_written"] is None else result["bytes_written"] / 1e9,
            result["store_bytes"] / 1e9, "-" if result["amplification"] is None else result["amplification"],
            "-" if result["amplification_vs_store"] is None else result["amplification_vs_store"],
-           result["daemon_peak_rss_bytes"] / 1e6, result["byte_equal"]]
+           result["daemon_peak_rss_bytes"] / 1e6, result["byte_equal"],
+           result.get("publisher_cpu_ms_per_step", "-"), result.get("daemon_cpu_ms_per_step", "-")]
     if args.publishers is not None:
         headers, row = ["publishers", *headers, "complete"], [args.publishers, *row, result["runs_complete"]]
     print(table(headers, [row]))

@@ -268,6 +268,7 @@ class RunAssembly:
         self.queue = queue
         self.worlds_known = num_worlds is not None
         self.num_worlds = max(1, num_worlds or 1)
+        self._worlds_range: np.ndarray | None = None
         self.budget_bytes = budget_bytes
         need = self.base_bytes(self.num_worlds, len(self._writers()))
         if need > budget_bytes:  # before anything per world is allocated
@@ -391,19 +392,28 @@ class RunAssembly:
                                             f"episodes of one length, got {worlds.dtype}{worlds.shape}, "
                                             f"{episodes.dtype}{episodes.shape}")
         worlds = worlds.astype(np.int64, copy=False)
-        if len(worlds):
+        n = len(worlds)
+        if n and not (n == self.num_worlds and np.array_equal(worlds, self._every_world())):
+            # (every world in order, the per-step case, is valid as it is)
             lo, hi = int(worlds.min()), int(worlds.max())
             limit = self.num_worlds if self.worlds_known else MAX_WORLDS
-            named = np.unique(worlds[(worlds >= 0) & (worlds < self.num_worlds)])
             if lo < 0 or hi >= limit:  # the episodes of the worlds it does name miss it
+                named = np.unique(worlds[(worlds >= 0) & (worlds < self.num_worlds)])
                 raise RejectedMessage("worlds", f"topic {topic!r}: world indices must lie in "
                                                 f"[0, {limit}), got {lo}..{hi}", named)
-            if len(np.unique(worlds)) != len(worlds):
+            if n > 1 and int(np.bincount(worlds).max()) > 1:  # O(n + hi), no sort
                 raise RejectedMessage("worlds", f"topic {topic!r}: world indices must be distinct",
-                                      named)
+                                      np.unique(worlds[worlds < self.num_worlds]))
             if hi >= self.num_worlds:
                 self._grow(hi + 1)
         return worlds, episodes.astype(np.int64, copy=False)
+
+    def _every_world(self) -> np.ndarray:
+        """``0..num_worlds - 1`` (cached while the number of worlds stays)."""
+        every = self._worlds_range
+        if every is None or len(every) != self.num_worlds:
+            every = self._worlds_range = np.arange(self.num_worlds, dtype=np.int64)
+        return every
 
     # -- message handlers ----------------------------------------------------------------
 

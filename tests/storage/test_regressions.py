@@ -452,6 +452,29 @@ def test_rejected_batch_mid_episode_makes_the_episode_incomplete(defect: str) ->
     check_run(RunStore(daemon.writers[0].store), "run-a", sim, skip={(world, episode)})
 
 
+def test_batches_naming_every_world_are_checked_unless_they_are_in_order() -> None:
+    """Batches of every world in order skip the distinct-worlds check (the per-step case); one as
+    long, but in another order, is stored as any other batch, and one as long with a world twice
+    is rejected, not taken for the per-step case."""
+    sim, msgs = record(steps=30)
+    i = next(i for i, m in enumerate(msgs) if isinstance(m, Batch) and m.term == "obs"
+             and m.worlds.tolist() == list(range(sim.num_worlds)))
+    batch = msgs[i]
+    order = torch.tensor([2, 0, 3, 1])
+    shuffled = dataclasses.replace(batch, worlds=batch.worlds[order], episodes=batch.episodes[order],
+                                   fields={k: v[order] for k, v in batch.fields.items()})
+    daemon = StoreDaemon(zarr.storage.MemoryStore(), commit_interval=0)
+    feed(daemon, [*msgs[:i], shuffled, *msgs[i + 1:]])
+    daemon.close()
+    assert sum(daemon.statistics().rejected.values()) == 0
+    check_run(RunStore(daemon.writers[0].store), "run-a", sim)  # every episode, byte for byte
+    twice = dataclasses.replace(batch, worlds=torch.tensor([0, 1, 2, 2]))
+    daemon = StoreDaemon(zarr.storage.MemoryStore(), commit_interval=0)
+    feed(daemon, renumber([*msgs[:i + 1], twice, *msgs[i + 1:]]))
+    daemon.close()
+    assert dict(daemon.statistics().rejected) == {"worlds": 1}
+
+
 def test_bfloat16_field_stores_and_reads_back_as_float32() -> None:
     """Item 23: with a bfloat16 field every episode was "complete" with 0 rows. bfloat16 travels
     on the wire, so it is stored (as its bits) and read back as float32 values equal to the
