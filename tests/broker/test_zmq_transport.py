@@ -46,7 +46,12 @@ def _messages(batch: Callable[..., Batch]) -> list[Any]:
         VariationSample("run-a", 2, 1, "mass", "runtime", w, e, torch.rand(4, 2)),
         EpisodeEnd("run-a", 3, 1, w, e, flags, ~flags, flags, torch.tensor([3, 3, 3, 3])),
         batch(4, width=BIG),
-        RunEnd("run-a", 5, 2, 4, "cpu"),
+        # no worlds (an empty data frame), and odd sizes of several dtypes between 64-byte offsets
+        Batch("run-a", 5, 2, "batch/empty", w[:0], e[:0], {"x": torch.zeros(0, 3)}),
+        Batch("run-a", 6, 2, "batch/mixed", w, e, {
+            "b": torch.rand(4, 3) > 0.5, "h": torch.randn(4, 5).to(torch.bfloat16), "z": torch.zeros(4, 0),
+            "i": torch.arange(28, dtype=torch.int16).reshape(4, 7), "d": torch.randn(4, 3, dtype=torch.float64)}),
+        RunEnd("run-a", 7, 2, 4, "cpu"),
     ]
 
 
