@@ -226,9 +226,10 @@ def test_proxy_counts_refused_peers_by_side(make_sub: MakeSub) -> None:
         sub = make_sub(proxy.backend_endpoints[0], curve=CurveClient(KeyPair.generate(), server.public))
         refused = "a subscriber's key is not on the allow-list"
 
-        def counted() -> bool:
+        def counted() -> bool:  # by both sides: each learns of the refusal on its own monitor
             sub.recv(timeout=0.01)
-            return proxy.statistics().handshake_failures.get("backend", {}).get(refused, 0) >= 1
+            return (proxy.statistics().handshake_failures.get("backend", {}).get(refused, 0) >= 1
+                    and bool(sub.statistics().failing_endpoints))
 
         _until(counted)
         stats = proxy.statistics()
