@@ -90,8 +90,8 @@ leading dimension when every tensor has one and they all agree (a batch's worlds
 class Slot:
     """One staging buffer (pinned when it has held CUDA tensors)."""
 
-    __slots__ = ("array", "buffer", "busy", "device_buffer", "event", "framed", "packed", "plans", "recent",
-                 "tracker", "views")
+    __slots__ = ("array", "buffer", "busy", "device_buffer", "device_padded", "event", "framed", "packed",
+                 "padded", "plans", "recent", "tracker", "views")
 
     def __init__(self) -> None:
         self.buffer: torch.Tensor | None = None
@@ -107,6 +107,11 @@ class Slot:
         self.framed: Layout | None = None  # the layout whose frames ``views`` holds
         self.views: list[memoryview] = []
         self.packed = False  # whether ``views`` is the one data frame of protocol 2
+        # The layouts whose padding is zero in the host and the device buffer: a protocol 2
+        # data frame carries the padding between tensors, which must never carry stale bytes
+        # (another topic's message, or whatever memory the buffer was allocated over).
+        self.padded: Layout | None = None
+        self.device_padded: Layout | None = None
 
     def ensure(self, nbytes: int, pinned: bool) -> torch.Tensor:
         """The buffer, reallocated if it is too small (or not pinned when it must be)."""
@@ -115,7 +120,7 @@ class Slot:
             self.array = self.buffer.numpy()
             self.plans.clear()
             self.recent = None
-            self.framed = None
+            self.framed = self.padded = None
         return self.buffer
 
     def ensure_device(self, nbytes: int, device: torch.device, side: Any) -> torch.Tensor | None:
@@ -136,6 +141,7 @@ class Slot:
             return None
         buffer.record_stream(side)
         self.device_buffer = buffer
+        self.device_padded = None
         self.plans.clear()
         self.recent = None
         return buffer
@@ -152,14 +158,33 @@ class Slot:
         always but for a plan with room for more rows than the message has), else one frame
         per tensor (protocol 1)."""
         if layout is not self.framed:
-            offsets, end = packed_layout([nbytes for _, nbytes in layout])
-            self.packed = all(o == offset for o, (offset, nbytes) in zip(offsets, layout, strict=True) if nbytes)
+            self.packed = _packed(layout)
             if self.packed:
-                self.views = [self.frame(0, end)]
+                self.views = [self.frame(0, max((offset + nbytes for offset, nbytes in layout if nbytes), default=0))]
             else:
                 self.views = [self.frame(offset, nbytes) for offset, nbytes in layout]
             self.framed = layout
         return self.views, self.packed
+
+
+def _packed(layout: Layout) -> bool:
+    """Whether the tensors of ``layout`` lie where a protocol 2 data frame has them."""
+    offsets, _ = packed_layout([nbytes for _, nbytes in layout])
+    return all(o == offset for o, (offset, nbytes) in zip(offsets, layout, strict=True) if nbytes)
+
+
+def _gaps(layout: Layout) -> list[tuple[int, int]]:
+    """The padding between the tensors of a packed ``layout`` (``[]`` for another layout: its
+    padding is never sent)."""
+    if not _packed(layout):
+        return []
+    gaps, end = [], None
+    for offset, nbytes in layout:
+        if nbytes:
+            if end is not None and offset > end:
+                gaps.append((end, offset))
+            end = offset + nbytes
+    return gaps
 
 
 class Plan:
@@ -305,7 +330,18 @@ class StagingRing:
                 _memmove_holding_gil(address + offset, src.data_ptr(), nbytes)
             else:  # strided: numpy copies element by element (bits, whatever the dtype)
                 np.copyto(host if rows is None else host[:rows], _host_array(src), casting="no")
+        self._zero_padding(slot, layout)
         return layout, None
+
+    @staticmethod
+    def _zero_padding(slot: Slot, layout: Layout) -> None:
+        """Zero the host buffer's padding between the tensors of ``layout`` (when another
+        layout was staged in the slot since, or none yet: tensors only ever write their own bytes)."""
+        if slot.padded is not layout:
+            array = slot.array
+            for start, end in _gaps(layout):
+                array[start:end] = 0
+            slot.padded = layout
 
     def _plan(self, slot: Slot, tensors: list[torch.Tensor], shapes: list[torch.Size], leading: bool,
               capacity: int, cuda: torch.device | None) -> Plan:
@@ -360,6 +396,7 @@ class StagingRing:
                 view = plan.views[i]
                 assert view is not None
                 (view[:rows] if sliced else view).copy_(src)
+        self._zero_padding(slot, layout)  # no copy in flight writes it: the sender waited on the event
         if slot.event is None:
             slot.event = torch.cuda.Event(blocking=True)  # type: ignore[no-untyped-call]
         if plan.device_views is None:  # no device buffer: device to host on the side stream
@@ -371,6 +408,11 @@ class StagingRing:
             slot.event.record(stream)
             current.wait_event(slot.event)  # the sources may be overwritten once it is done
             return slot.event
+        dev = slot.device_buffer
+        if slot.device_padded is not layout and dev is not None:  # the span copy carries it to the host
+            for start, end in _gaps(layout):
+                dev[start:end].zero_()
+            slot.device_padded = layout
         if on_device:  # device to device on the simulation's stream: ordered before its next writes
             torch._foreach_copy_([self._rows(plan.device_views[i], rows, sliced) for i in on_device],
                                  [tensors[i] for i in on_device], non_blocking=True)

@@ -159,3 +159,32 @@ def test_a_device_buffer_given_up_takes_its_plans_with_it(monkeypatch: pytest.Mo
     assert slot.device_buffer is None
     assert not slot.plans
     assert slot.recent is None
+
+
+def _padding(frame: memoryview, layout: list[tuple[int, int]]) -> bytes:
+    """The bytes of a protocol 2 data frame that belong to no tensor."""
+    used = bytearray(frame.nbytes)
+    for offset, nbytes in layout:
+        used[offset:offset + nbytes] = b"\x01" * nbytes
+    return bytes(b for b, u in zip(bytes(frame), used, strict=True) if not u)
+
+
+def test_the_padding_a_data_frame_carries_is_zero() -> None:
+    """A protocol 2 data frame sends the padding between tensors: it must not carry what the
+    buffer held before (memory it was allocated over, or another message's tensors, perhaps of
+    a topic this subscriber never asked for). Each layout's padding is zeroed when it is staged
+    after another layout (or first)."""
+    ring = StagingRing(1, threading.Condition())
+    slot = ring.acquire(False, 0.0)
+    assert slot is not None
+    slot.ensure(1 << 16, pinned=False).fill_(0xAB)  # whatever the allocation held
+    a = [torch.full((100,), -1, dtype=torch.int8), torch.ones(1, dtype=torch.int8)]  # at 0 and 128
+    b = [torch.full((10,), 7, dtype=torch.int8), torch.full((50,), 9, dtype=torch.int8)]  # at 0 and 64
+    for tensors in (a, b, a, b):  # each writes into the other's padding
+        layout, _ = ring.stage(slot, tensors)
+        views, packed = slot.frames(layout)
+        assert packed
+        assert [bytes(views[0][o:o + n]) for o, n in layout] == [_bits(t) for t in tensors]
+        padding = _padding(views[0], layout)
+        assert padding == bytes(len(padding))
+        assert len(padding) in (28, 54)

@@ -138,3 +138,41 @@ def test_mixed_and_variable_shape_messages_arrive_byte_exact(
                                t.view(torch.uint8) if t.dtype == torch.bfloat16 else t), (i, f)
     slots = pub._ring.slots
     assert all((s.device_buffer is not None) == device_buffer for s in slots if s.buffer is not None)
+
+
+@pytest.mark.parametrize("device_buffer", [True, False])
+def test_the_padding_of_a_cuda_data_frame_is_zero(device_buffer: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The device buffer's padding goes to the host in the span copy: it is zeroed on the device
+    when a layout is staged after another (or first), as the host buffer's is; without a device
+    buffer the host's own zeroing holds. Buffers pre-filled with 0xAB stand for stale memory."""
+    import threading
+
+    from broker import staging
+
+    if not device_buffer:
+        monkeypatch.setattr(staging.Slot, "ensure_device", lambda self, nbytes, device, side: None)
+    ring = staging.StagingRing(1, threading.Condition())
+    slot = ring.acquire(False, 0.0)
+    assert slot is not None
+    device = torch.device("cuda", torch.cuda.current_device())
+    a = [torch.full((100,), -1, dtype=torch.int8, device=device), torch.ones(1, dtype=torch.int8, device=device)]
+    b = [torch.full((10,), 7, dtype=torch.int8, device=device), torch.full((50,), 9, dtype=torch.int8, device=device)]
+    for i, tensors in enumerate((a, b, a, b)):
+        if i == 0:
+            _, first = ring.stage(slot, tensors)  # allocates the buffers; then make them stale
+            first.synchronize()
+            assert slot.buffer is not None
+            slot.buffer.fill_(0xAB)
+            if slot.device_buffer is not None:
+                slot.device_buffer.fill_(0xAB)
+            slot.padded = slot.device_padded = None
+        layout, event = ring.stage(slot, tensors)
+        event.synchronize()
+        views, packed = slot.frames(layout)
+        assert packed
+        assert [bytes(views[0][o:o + n]) for o, n in layout] == [t.cpu().numpy().tobytes() for t in tensors]
+        used = bytearray(views[0].nbytes)
+        for o, n in layout:
+            used[o:o + n] = b"\x01" * n
+        padding = bytes(x for x, u in zip(bytes(views[0]), used, strict=True) if not u)
+        assert padding == bytes(len(padding))
