@@ -158,33 +158,35 @@ class Slot:
         always but for a plan with room for more rows than the message has), else one frame
         per tensor (protocol 1)."""
         if layout is not self.framed:
-            self.packed = _packed(layout)
-            if self.packed:
-                self.views = [self.frame(0, max((offset + nbytes for offset, nbytes in layout if nbytes), default=0))]
+            end = _data_frame_end(layout)
+            self.packed = end is not None
+            if end is not None:
+                self.views = [self.frame(0, end)]
             else:
                 self.views = [self.frame(offset, nbytes) for offset, nbytes in layout]
             self.framed = layout
         return self.views, self.packed
 
 
-def _packed(layout: Layout) -> bool:
-    """Whether the tensors of ``layout`` lie where a protocol 2 data frame has them."""
-    offsets, _ = packed_layout([nbytes for _, nbytes in layout])
-    return all(o == offset for o, (offset, nbytes) in zip(offsets, layout, strict=True) if nbytes)
+def _data_frame_end(layout: Layout) -> int | None:
+    """The length of the protocol 2 data frame the tensors of ``layout`` make, or ``None`` when
+    they do not lie where that frame has them."""
+    offsets, end = packed_layout([nbytes for _, nbytes in layout])
+    packed = all(o == offset for o, (offset, nbytes) in zip(offsets, layout, strict=True) if nbytes)
+    return end if packed else None
 
 
-def _gaps(layout: Layout) -> list[tuple[int, int]]:
-    """The padding between the tensors of a packed ``layout`` (``[]`` for another layout: its
-    padding is never sent)."""
-    if not _packed(layout):
-        return []
-    gaps, end = [], None
+def _zero_gaps(buffer: Any, layout: Layout) -> None:
+    """Zero the padding between the tensors of a packed ``layout`` in ``buffer`` (a numpy array
+    or a torch tensor of bytes); nothing for another layout: its padding is never sent."""
+    if _data_frame_end(layout) is None:
+        return
+    end = None
     for offset, nbytes in layout:
         if nbytes:
             if end is not None and offset > end:
-                gaps.append((end, offset))
+                buffer[end:offset] = 0
             end = offset + nbytes
-    return gaps
 
 
 class Plan:
@@ -338,9 +340,7 @@ class StagingRing:
         """Zero the host buffer's padding between the tensors of ``layout`` (when another
         layout was staged in the slot since, or none yet: tensors only ever write their own bytes)."""
         if slot.padded is not layout:
-            array = slot.array
-            for start, end in _gaps(layout):
-                array[start:end] = 0
+            _zero_gaps(slot.array, layout)
             slot.padded = layout
 
     def _plan(self, slot: Slot, tensors: list[torch.Tensor], shapes: list[torch.Size], leading: bool,
@@ -410,8 +410,7 @@ class StagingRing:
             return slot.event
         dev = slot.device_buffer
         if slot.device_padded is not layout and dev is not None:  # the span copy carries it to the host
-            for start, end in _gaps(layout):
-                dev[start:end].zero_()
+            _zero_gaps(dev, layout)
             slot.device_padded = layout
         if on_device:  # device to device on the simulation's stream: ordered before its next writes
             torch._foreach_copy_([self._rows(plan.device_views[i], rows, sliced) for i in on_device],

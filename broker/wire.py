@@ -220,8 +220,7 @@ def _head(message: Message, own: Sequence[Spec], fields: Sequence[Spec], publish
     kind = _KINDS.get(type(message))
     if kind is None:
         raise _fail("encode", f"message: expected one of {[k.__name__ for k in _KINDS]}, got {message!r}")
-    if version not in PROTOCOL_VERSIONS:
-        raise _fail("encode", f"protocol version {version!r}: expected one of {list(PROTOCOL_VERSIONS)}")
+    _packed_version(version)
     head: dict[str, Any] = {"v": version, "kind": kind, "run": message.run,
                             "seq": message.seq, "step": message.step, "pub": publisher, "n": number,
                             "tensors": _entries(own, 0)}
@@ -294,7 +293,19 @@ _ROWS: Final = -2
 _VERSION: Final = -3
 """Places in a template's chunks for the packed :data:`_VARYING` values, the row count and the
 protocol version."""
-_PACKED_VERSIONS: Final = {v: msgpack.packb(v) for v in PROTOCOL_VERSIONS}
+_PACKED_VERSIONS: Final[dict[int, bytes]] = {v: msgpack.packb(v) for v in PROTOCOL_VERSIONS}
+
+
+def _packed_version(version: int) -> bytes:
+    """``version`` packed with msgpack.
+
+    Raises:
+        WireFormatError: (reason ``"encode"``) a version this codec does not write.
+    """
+    packed = _PACKED_VERSIONS.get(version)
+    if packed is None:
+        raise _fail("encode", f"protocol version {version!r}: expected one of {list(PROTOCOL_VERSIONS)}")
+    return packed
 
 
 class HeaderTemplate:
@@ -367,10 +378,7 @@ class HeaderTemplate:
                 or more or below -2**63, an object msgpack does not know).
         """
         parts = self._chunks.copy()
-        packed_version = _PACKED_VERSIONS.get(version)
-        if packed_version is None:
-            raise _fail("encode", f"protocol version {version!r}: expected one of {list(PROTOCOL_VERSIONS)}")
-        parts[self._version] = packed_version
+        parts[self._version] = _packed_version(version)
         try:
             # A list of up to 15 items packs as a one-byte header and then the items exactly as
             # they are packed inside the header map.

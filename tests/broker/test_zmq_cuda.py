@@ -147,6 +147,8 @@ def test_the_padding_of_a_cuda_data_frame_is_zero(device_buffer: bool, monkeypat
     buffer the host's own zeroing holds. Buffers pre-filled with 0xAB stand for stale memory."""
     import threading
 
+    from test_staging import _bits, _padding
+
     from broker import staging
 
     if not device_buffer:
@@ -170,9 +172,6 @@ def test_the_padding_of_a_cuda_data_frame_is_zero(device_buffer: bool, monkeypat
         event.synchronize()
         views, packed = slot.frames(layout)
         assert packed
-        assert [bytes(views[0][o:o + n]) for o, n in layout] == [t.cpu().numpy().tobytes() for t in tensors]
-        used = bytearray(views[0].nbytes)
-        for o, n in layout:
-            used[o:o + n] = b"\x01" * n
-        padding = bytes(x for x, u in zip(bytes(views[0]), used, strict=True) if not u)
+        assert [bytes(views[0][o:o + n]) for o, n in layout] == [_bits(t.cpu()) for t in tensors]
+        padding = _padding(views[0], layout)
         assert padding == bytes(len(padding))
