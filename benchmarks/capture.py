@@ -26,6 +26,7 @@ from ._payload import make_payload, payload_bytes
 CONSUMERS: dict[str, Callable[[], list[Any]]] = {
     "none": lambda: [],
     "live_statistics": lambda: [LiveStatistics()],
+    "live_statistics_compiled": lambda: [LiveStatistics(compile=True)],
     "retention": lambda: [Retention()],
     "all": lambda: [LiveStatistics(), Retention()],
 }

@@ -8,6 +8,10 @@ Error bounds asserted (the reference is numpy float64 over every published value
   1e-12 standard deviations, standard deviation within a relative 1e-12;
 * min and max: exact; counts exact.
 
+The same bounds hold for ``LiveStatistics(compile=True)`` (the tests marked with both modes):
+its compiled sums are of chunks of 16 rows in float32 (a sequential sum, at most 16 roundings),
+then of the chunks in float64.
+
 Why these bounds hold: values are summed only after a shift by a recent mean (an exact
 subtraction for values within a factor of two of it), so the float32 sums are of numbers of the
 order of the data's spread, not of its mean; torch sums a block of at most 1024 rows pairwise, to
@@ -37,6 +41,11 @@ def batch(fields: Mapping[str, torch.Tensor], seq: int = 0, topic: str = "batch/
     return Batch("run", seq, seq, topic, torch.arange(n), torch.zeros(n, dtype=torch.int64), fields)
 
 
+MODES = pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+"""The tests run with both reductions: eager torch operations, and a function compiled with
+torch.compile (``LiveStatistics(compile=True)``)."""
+
+
 def assert_matches(got: FieldStatistics, rows: np.ndarray, bounds: tuple[float, float], name: str = "") -> None:
     """``rows``: every published row of the field, float64, ``[count, *shape]``.
 
@@ -55,7 +64,8 @@ def assert_matches(got: FieldStatistics, rows: np.ndarray, bounds: tuple[float, 
     np.testing.assert_array_equal(got.max, rows.max(0), err_msg=name)
 
 
-def test_large_means_and_small_variances_over_ten_thousand_steps() -> None:
+@MODES
+def test_large_means_and_small_variances_over_ten_thousand_steps(compiled: bool) -> None:
     # Means up to 3e5 standard deviations away from zero break a float32 sum of squares
     # (relative error ~ 6e-8 * (mean / std)**2); the last column drifts by one standard
     # deviation a step, 1e4 in all.
@@ -66,7 +76,7 @@ def test_large_means_and_small_variances_over_ten_thousand_steps() -> None:
     data = rng.standard_normal((steps, worlds, 6)) * std + mean
     data[:, :, 5] += np.arange(steps)[:, None]
     data = data.astype(np.float32)
-    stats = LiveStatistics()
+    stats = LiveStatistics(compile=compiled)
     for step in range(steps):
         stats(batch({"x": torch.from_numpy(data[step])}, step))
     got = stats.summary().fields["t/x"]
@@ -76,7 +86,8 @@ def test_large_means_and_small_variances_over_ten_thousand_steps() -> None:
     assert np.all(np.abs(got.mean - rows.mean(0)) <= 1e-6 * within)  # also for the drifting column
 
 
-def test_every_real_dtype_recorded_with_partial_steps_matches_numpy() -> None:
+@MODES
+def test_every_real_dtype_recorded_with_partial_steps_matches_numpy(compiled: bool) -> None:
     num_worlds, steps = 12, 300
     gen = torch.Generator().manual_seed(5)
     make = {
@@ -94,7 +105,7 @@ def test_every_real_dtype_recorded_with_partial_steps_matches_numpy() -> None:
     }
     float64_reduced = {"i32", "i64", "f64"}
     broker = Broker(strict=True)
-    stats = LiveStatistics()
+    stats = LiveStatistics(compile=compiled)
     stats.attach(broker)
     published: dict[str, list[np.ndarray]] = {name: [] for name in make}
 
@@ -122,11 +133,12 @@ def test_every_real_dtype_recorded_with_partial_steps_matches_numpy() -> None:
         assert_matches(summary.fields[f"t/{name}"], rows, bounds, name)
 
 
-def test_large_batches_of_any_row_count_reduce_exactly() -> None:
+@MODES
+def test_large_batches_of_any_row_count_reduce_exactly(compiled: bool) -> None:
     # On the CPU, min and max of a large batch are taken in two stages over a regrouped view;
     # row counts with and without a large power-of-two factor take different paths.
     gen = torch.Generator().manual_seed(2)
-    stats = LiveStatistics()
+    stats = LiveStatistics(compile=compiled)
     rows: dict[str, list[np.ndarray]] = {"t/x": [], "t/i": [], "t/flag": [], "t/flags": []}
     for step, n in enumerate([4096, 768, 272, 4095, 256, 8192]):
         fields = {"x": torch.randn(n, 5, generator=gen) * torch.arange(1.0, 6.0) + 100,
@@ -194,7 +206,8 @@ def test_fields_that_require_grad_are_reduced_without_a_graph() -> None:
     assert_matches(got, x.detach().double().numpy(), FLOAT32_BOUNDS)
 
 
-def test_half_bfloat16_and_integer_fields_over_ten_thousand_steps() -> None:
+@MODES
+def test_half_bfloat16_and_integer_fields_over_ten_thousand_steps(compiled: bool) -> None:
     # Means far from zero with small spreads, in every dtype reduced through a float32 or
     # float64 copy; 10,000 batches go through about 150 windows and merges.
     steps, worlds = 10_000, 8
@@ -213,7 +226,7 @@ def test_half_bfloat16_and_integer_fields_over_ten_thousand_steps() -> None:
         "i32": torch.from_numpy(rng.integers(2**31 - 1000, 2**31 - 1, (steps, worlds), dtype=np.int32)),
         "i64": torch.from_numpy(rng.integers(10**15, 10**15 + 7, (steps, worlds), dtype=np.int64)),
     }
-    stats = LiveStatistics()
+    stats = LiveStatistics(compile=compiled)
     for step in range(steps):
         stats(batch({name: t[step] for name, t in data.items()}, step))
     summary = stats.summary()
