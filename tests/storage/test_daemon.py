@@ -16,6 +16,7 @@ import zmq
 from procs import ENV, Proc
 from storage_sim import assert_episode_equal, expected_sim
 
+from broker.wire import SUBSCRIBER_HELLO
 from storage import RunStore
 
 pytestmark = pytest.mark.timeout(90)
@@ -153,14 +154,17 @@ def test_bad_messages_are_counted_and_skipped(spawn: object, tmp_path: Path) -> 
     proc = daemon(spawn, store, "--bind", endpoint, "--exit-after-runs", "1")
     ctx = zmq.Context()
     try:
-        sock = ctx.socket(zmq.PUB)
-        sock.setsockopt(zmq.LINGER, 0)
+        # An XPUB sees the daemon's subscriptions: its hello comes after its topics, so once
+        # the hello is here the junk below reaches it (no waiting on the clock).
+        sock = ctx.socket(zmq.XPUB)
+        sock.setsockopt(zmq.LINGER, 10_000)  # close() delivers what was sent
+        sock.setsockopt(zmq.RCVTIMEO, 30_000)
         sock.connect(endpoint)
-        time.sleep(0.5)  # slow joiner: let the daemon's subscription reach us
+        while not sock.recv().startswith(b"\x01" + SUBSCRIBER_HELLO):
+            pass
         for junk in ([b"batch/obs", b"\x93not msgpack"], [b"episode/end"], [b"run/x", b"\xc1", b"1"]):
             sock.send_multipart(junk)
-        time.sleep(0.3)
-        sock.close(linger=0)
+        sock.close()
     finally:
         ctx.term()
     pub, _ = publisher(spawn, "--steps", "80", "--connect", "--endpoint", endpoint)
