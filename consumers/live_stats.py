@@ -168,7 +168,8 @@ class _Group:
         self.shift: torch.Tensor | None = None  # repeated ``split`` times, for the wide view of a block
         self.split = 1
         self.window = torch.empty(0)
-        self.slots: list[torch.Tensor] = []
+        # per window row: the row, and its shifted sums, sums of squares, minima and maxima
+        self.slots: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = []
         self.filled = 0
 
     def rows(self, first: torch.Tensor, n: int) -> int:
@@ -204,9 +205,9 @@ class _Group:
             self._buffer(first, rows)
             assert self.buffer is not None
             x = torch.cat(parts, dim=1, out=self.buffer[:n])
-            torch.sum(x, 0, dtype=self.compute, out=self.slots[row][0])
+            torch.sum(x, 0, dtype=self.compute, out=self.slots[row][1])
             blocks = 1
-        elif self.fused is not None and n >= 2 * _CHUNK_ROWS and self._fuse(parts, n, self.slots[row]):
+        elif self.fused is not None and n >= 2 * _CHUNK_ROWS and self._fuse(parts, n, self.slots[row][0]):
             if n % _CHUNK_ROWS:
                 self._block([p[n - n % _CHUNK_ROWS:] for p in parts], self.slots[row + 1])
         elif rows == n:
@@ -252,9 +253,11 @@ class _Group:
 
     def _window(self, rows: int, device: torch.device) -> None:
         self.window = torch.empty(rows, 2 + 2 * self.split, self.offset.shape[0], dtype=self.compute, device=device)
-        self.slots = list(self.window)
+        split = self.split
+        self.slots = [(w, w[0], w[1], w[2:2 + split].view(-1), w[2 + split:].view(-1)) for w in self.window]
 
-    def _block(self, parts: list[torch.Tensor] | tuple[torch.Tensor, ...], out: torch.Tensor) -> None:
+    def _block(self, parts: list[torch.Tensor] | tuple[torch.Tensor, ...],
+               out: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]) -> None:
         """Reduce the same rows of every field into a row of the window: the sums minus
         ``shift``, the sums of squares, and the minima and maxima of each of ``split`` groups
         of the rows (on the CPU, a reduction over the outer dimension vectorizes along a wide
@@ -263,7 +266,7 @@ class _Group:
         self._buffer(parts[0], rows)
         assert self.buffer is not None
         width = self.buffer.shape[1]
-        s1, s2, lo, hi = out[0], out[1], out[2:2 + split].view(-1), out[2 + split:].view(-1)
+        _, s1, s2, lo, hi = out
         x = torch.cat(parts, dim=1, out=self.buffer if rows == self.buffer.shape[0] else self.buffer[:rows])
         if self.work is not None:
             x = self.work[:rows].copy_(x)
