@@ -297,46 +297,82 @@ def codecs(name: Compression) -> tuple[Any, ...]:
 # -- stores ----------------------------------------------------------------------------------
 
 
-class SyncedLocalStore(LocalStore):
-    """A :class:`zarr.storage.LocalStore` whose every write reaches the disk before it returns:
-    the bytes go to a temporary file that is ``fsync``-ed, renamed over the key, and the
-    directory is ``fsync``-ed. A power cut leaves either the old file or the complete new one
-    (the previous commit point stays readable until the new one is whole on disk)."""
+class RunLocalStore(LocalStore):
+    """The :class:`zarr.storage.LocalStore` worldtap writes local run stores through.
+
+    - An exclusive create (``set_if_not_exists``) of a key that exists writes nothing. zarr
+      calls it for the ``zarr.json`` of every ancestor group each time it creates an array or a
+      group, so without this check each creation wrote (and a kill in the middle left) a
+      temporary file beside the root's and ``runs/``'s metadata, outside any run.
+    - A write whose temporary file disappears before it is renamed into place (another
+      daemon's startup removed it as crash debris) is written again, not failed.
+    - ``durable``: every write is ``fsync``-ed, renamed over the key, and its directory is
+      ``fsync``-ed (:class:`SyncedLocalStore`).
+    """
+
+    durable = False
 
     async def set(self, key: str, value: Buffer) -> None:
         self._check_writable()
-        await asyncio.to_thread(_durable_write, self.root / key, value, False)
+        await asyncio.to_thread(_write, self.root / key, value, self.durable, False)
 
-    async def set_if_not_exists(self, key: str, value: Buffer) -> None:  # new groups' metadata
+    async def set_if_not_exists(self, key: str, value: Buffer) -> None:  # new nodes' metadata
         self._check_writable()
-        await asyncio.to_thread(_durable_write, self.root / key, value, True)
+        await asyncio.to_thread(_write, self.root / key, value, self.durable, True)
 
     def set_sync(self, key: str, value: Buffer) -> None:
         self._check_writable()
-        _durable_write(self.root / key, value, False)
+        _write(self.root / key, value, self.durable, False)
 
 
-def _durable_write(path: Path, value: Buffer, exclusive: bool) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f"{path.name}.{uuid.uuid4().hex}.partial")
-    try:
-        with tmp.open("wb") as f:
-            f.write(value.as_buffer_like())
-            f.flush()
-            os.fsync(f.fileno())
-        if exclusive:
-            if path.exists():
+class SyncedLocalStore(RunLocalStore):
+    """A :class:`RunLocalStore` whose every write reaches the disk before it returns: the bytes
+    go to a temporary file that is ``fsync``-ed, renamed over the key, and the directory is
+    ``fsync``-ed. A power cut leaves either the old file or the complete new one (the previous
+    commit point stays readable until the new one is whole on disk)."""
+
+    durable = True
+
+
+_WRITE_ATTEMPTS = 5
+
+
+def _write(path: Path, value: Buffer, durable: bool, exclusive: bool) -> None:
+    """Write ``value`` to ``path`` through a temporary file beside it (see
+    :class:`RunLocalStore`); ``exclusive``: only if ``path`` does not exist."""
+    for _ in range(_WRITE_ATTEMPTS):
+        if exclusive and path.exists():
+            return
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f"{path.name}.{uuid.uuid4().hex}.partial")
+        try:
+            with tmp.open("wb") as f:
+                f.write(value.as_buffer_like())
+                if durable:
+                    f.flush()
+                    os.fsync(f.fileno())
+            try:
+                if exclusive:
+                    os.link(tmp, path)
+                else:
+                    os.replace(tmp, path)
+            except FileExistsError:  # exclusive: another writer created it meanwhile
                 return
-            os.link(tmp, path)
-        else:
-            os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-    fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+            except FileNotFoundError:
+                if not path.parent.is_dir():
+                    raise
+                continue  # the temporary file was removed as debris: write it again
+        finally:
+            tmp.unlink(missing_ok=True)
+        if durable:
+            fd = os.open(path.parent, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        return
+    raise OSError(f"{str(path)!r}: its temporary file was removed {_WRITE_ATTEMPTS} times before it "
+                  f"could be renamed into place (another process keeps deleting *.partial files here)")
 
 
 def local_path(location: StoreLocation) -> Path | None:
@@ -426,7 +462,7 @@ def open_store(location: StoreLocation, *, fsync: bool = False, read_only: bool 
     if path is not None:
         if read_only and not path.is_dir():
             raise StoreFormatError(f"no run store at {str(path)!r}: the directory does not exist")
-        cls = SyncedLocalStore if fsync and not read_only else LocalStore
+        cls = LocalStore if read_only else SyncedLocalStore if fsync else RunLocalStore
         return cls(path, read_only=read_only)
     url = os.fspath(location)
     options = url_options(url)
@@ -488,12 +524,13 @@ def is_partial_file(name: str) -> bool:
     return _PARTIAL.fullmatch(name) is not None
 
 
-def remove_partial_files(root: Path) -> int:
+def remove_partial_files(root: Path, *, recursive: bool = True) -> int:
     """Delete the temporary files of writes a crash interrupted, inside the run store
     directory ``root`` only (call it once the directory is known to be a run store, under the
-    store lock). Returns how many were removed."""
+    store lock), or (``recursive=False``) directly in ``root`` only. Returns how many were
+    removed."""
     removed = 0
-    for debris in root.rglob("*.partial"):
+    for debris in root.rglob("*.partial") if recursive else root.glob("*.partial"):
         if _PARTIAL.fullmatch(debris.name) and debris.is_file():
             debris.unlink(missing_ok=True)
             removed += 1

@@ -699,7 +699,10 @@ class RunStoreWriter:
         self.runs_group = _as_group(self.root["runs"], "runs")
         self._runs: dict[str, RunWriter] = {}
         # Only now is it known to be a run store: its debris is ours to remove; with several
-        # partitions only inside our own runs (the other daemons' writes are in flight).
+        # partitions only inside our own runs (the other daemons' writes are in flight), and
+        # beside the shared metadata of the root and runs/ (the temporary files of a daemon
+        # killed while it created them; a live daemon whose temporary file is removed there
+        # writes it again, see RunLocalStore).
         if path is None:
             self.debris_removed = 0
         elif partition.whole:
@@ -707,6 +710,8 @@ class RunStoreWriter:
         else:
             self.debris_removed = sum(remove_partial_files(path / "runs" / node)
                                       for node, _ in self._own_runs())
+            self.debris_removed += remove_partial_files(path, recursive=False) + \
+                remove_partial_files(path / "runs", recursive=False)
 
     def _extend_hooks(self, location: StoreLocation, info: dict[str, Any]) -> None:
         """Bring the root's hook list up to :data:`HOOKS` (codes are append-only, so a store

@@ -52,7 +52,8 @@ def check_store(location: StoreLocation, sim: Sim, spans: Spans, run: str, what:
     for term, rows in committed["rows"].items():
         assert root[f"runs/{run}/data/{term}/_step"].shape[0] == rows, (what, term)
     path = local_path(location)
-    assert path is None or not list(path.rglob("*.partial")), what
+    debris = [] if path is None else sorted(str(p.relative_to(path)) for p in path.rglob("*.partial"))
+    assert not debris, (what, debris)
     return len(keys)
 
 

@@ -8,6 +8,7 @@ or one of another count), race-safe root creation, and two partitions on S3.
 
 from __future__ import annotations
 
+import os
 import re
 import signal
 import tempfile
@@ -240,3 +241,70 @@ def test_two_partitions_on_s3(request: pytest.FixtureRequest) -> None:
     for run, sim in sims.items():
         spans = Spans()
         assert check_store(url, sim, spans, run, run) == len(sim.outcome) > 0
+
+
+def test_creating_nodes_writes_nothing_beside_the_shared_metadata(tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """zarr writes the ``zarr.json`` of every ancestor group (``set_if_not_exists``) each time
+    it creates an array. Through zarr's own LocalStore each such call wrote a temporary file
+    beside the root's and ``runs/``'s metadata, and a daemon killed there (one in twenty runs of
+    the three-daemon test above) left it outside every run, where no partition's startup
+    cleans: a ``*.partial`` file visible in the store for good. worldtap's local store writes
+    nothing for a key that exists."""
+    from storage._format import open_store
+
+    store = open_store(tmp_path / "runs.zarr")
+    writer = RunStoreWriter(tmp_path / "runs.zarr", partition=Partition(0, 3))
+    del writer
+    opened: list[Path] = []
+    real_open = Path.open
+
+    def recording_open(self: Path, mode: str = "r", *args: object, **kwargs: object) -> object:
+        if "w" in mode:
+            opened.append(self)
+        return real_open(self, mode, *args, **kwargs)  # type: ignore[call-overload]
+
+    monkeypatch.setattr(Path, "open", recording_open)
+    import zarr
+
+    zarr.create_array(store, name="runs/r/data/t/x", shape=(4,), dtype="int32")
+    root = tmp_path / "runs.zarr"
+    assert opened, "the new nodes' metadata is written"
+    assert not [p for p in opened if p.parent in (root, root / "runs")], opened
+
+
+def test_a_partition_daemon_removes_debris_beside_the_shared_metadata(tmp_path: Path) -> None:
+    """The temporary files of a daemon killed while creating the root's or ``runs/``'s metadata
+    are removed by the next partition daemon's startup (only those directly there, and those
+    inside its own runs); a write whose temporary file such a startup removes is written again."""
+    path = tmp_path / "runs.zarr"
+    RunStoreWriter(path, partition=Partition(0, 3))
+    debris = [path / "zarr.0123456789abcdef0123456789abcdef.partial",
+              path / "runs" / "zarr.json.fedcba9876543210fedcba9876543210.partial"]
+    for d in debris:
+        d.write_bytes(b"{")
+    writer = RunStoreWriter(path, partition=Partition(1, 3))
+    assert writer.debris_removed == 2
+    assert not [d for d in debris if d.exists()]
+    assert RunStore(path).runs() == []
+
+    from zarr.buffer import default_buffer_prototype
+
+    from storage._format import _write
+
+    calls = []
+    real_replace = os.replace
+
+    def replace_after_cleanup(src: str | Path, dst: str | Path) -> None:
+        calls.append(src)
+        if len(calls) == 1:
+            Path(src).unlink()  # another daemon's startup took it for debris
+        real_replace(src, dst)
+
+    target = path / "runs" / "x"
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(os, "replace", replace_after_cleanup)
+        _write(target, default_buffer_prototype().buffer.from_bytes(b"abc"), False, False)
+    assert len(calls) == 2
+    assert target.read_bytes() == b"abc"
+    assert not list(target.parent.glob("x.*.partial"))
