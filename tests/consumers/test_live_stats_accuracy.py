@@ -30,7 +30,7 @@ import torch
 
 from broker import Batch, Broker, Message
 from capture import FunctionTerm, Recorder
-from consumers import FieldStatistics, LiveStatistics, live_stats
+from consumers import FieldStatistics, LiveStatistics, LiveSummary, live_stats
 
 FLOAT32_BOUNDS = (1e-6, 1e-6)   # mean error in standard deviations, relative std error
 FLOAT64_BOUNDS = (1e-12, 1e-12)
@@ -62,6 +62,16 @@ def assert_matches(got: FieldStatistics, rows: np.ndarray, bounds: tuple[float, 
     np.testing.assert_allclose(got.std, ref_std, rtol=std_rel, atol=0, err_msg=name)
     np.testing.assert_array_equal(got.min, rows.min(0), err_msg=name)
     np.testing.assert_array_equal(got.max, rows.max(0), err_msg=name)
+
+
+def assert_same_counts_and_extremes(got: LiveSummary, ref: LiveSummary) -> None:
+    """Two summaries of the same batches (another device, another reduction): the same fields,
+    counts, and exactly the same minima and maxima."""
+    assert list(got.fields) == list(ref.fields)
+    for key, field in got.fields.items():
+        assert field.count == ref.fields[key].count, key
+        np.testing.assert_array_equal(field.min, ref.fields[key].min, err_msg=key)
+        np.testing.assert_array_equal(field.max, ref.fields[key].max, err_msg=key)
 
 
 @MODES
