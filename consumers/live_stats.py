@@ -206,7 +206,6 @@ class _Group:
             assert self.buffer is not None
             x = torch.cat(parts, dim=1, out=self.buffer[:n])
             torch.sum(x, 0, dtype=self.compute, out=self.slots[row][1])
-            blocks = 1
         elif self.fused is not None and n >= 2 * _CHUNK_ROWS and self._fuse(parts, n, self.slots[row][0]):
             if n % _CHUNK_ROWS:
                 self._block([p[n - n % _CHUNK_ROWS:] for p in parts], self.slots[row + 1])
@@ -324,7 +323,7 @@ class _Plan:
 
     __slots__ = ("acc", "batch", "columns", "count", "exact", "groups", "pending", "rows")
 
-    def __init__(self, keys: list[str], tensors: Sequence[torch.Tensor], fused: bool = False) -> None:
+    def __init__(self, keys: list[str], tensors: Sequence[torch.Tensor], compiled: bool = False) -> None:
         by_dtype: dict[torch.dtype, list[int]] = {}
         for i, (key, t) in enumerate(zip(keys, tensors, strict=True)):
             _compute_dtype(key, t.dtype)
@@ -355,7 +354,7 @@ class _Plan:
         self.rows = (self.acc.unbind(0), self.batch.unbind(0))
         ends = [a for _, _, a in spans[1:]] + [start]
         self.groups = [_Group(index, compute, self.acc[0, a:b], self.exact[a:b],
-                              _compiled_moments() if fused and tensors[index[0]].dtype != torch.bool else None)
+                              _compiled_moments() if compiled and tensors[index[0]].dtype != torch.bool else None)
                        for (compute, index, a), b in zip(spans, ends, strict=True)]
 
     def update(self, tensors: Sequence[torch.Tensor], n: int) -> None:
