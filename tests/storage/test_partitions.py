@@ -254,8 +254,7 @@ def test_creating_nodes_writes_nothing_beside_the_shared_metadata(tmp_path: Path
     from storage._format import open_store
 
     store = open_store(tmp_path / "runs.zarr")
-    writer = RunStoreWriter(tmp_path / "runs.zarr", partition=Partition(0, 3))
-    del writer
+    RunStoreWriter(tmp_path / "runs.zarr", partition=Partition(0, 3))  # the root and runs/ exist
     opened: list[Path] = []
     real_open = Path.open
 
