@@ -142,8 +142,8 @@ def _zmq_sender(args: Any) -> None:
     port = sock.bind_to_random_port("tcp://127.0.0.1")
     print(f"tcp://127.0.0.1:{port}", flush=True)
     sock.recv()  # the subscription: no slow joiner
-    frames = [[b"batch/seed", b"h" * 200, *(memoryview(v[k]) for v in pool.values())]
-              for k in range(POOL)]
+    frames: list[list[bytes | memoryview]] = [
+        [b"batch/seed", b"h" * 200, *(memoryview(v[k]) for v in pool.values())] for k in range(POOL)]
     t0, i = time.monotonic(), 0
     while time.monotonic() - t0 < args.seconds:
         sock.send_multipart(frames[i % POOL], copy=False)
@@ -173,7 +173,7 @@ def _zmq_ceiling(worlds: int, seconds: float) -> float:
         total, t0 = 0, None
         while True:
             frames = sock.recv_multipart(copy=False)
-            if bytes(frames[0]) == b"batch/end":
+            if frames[0].bytes == b"batch/end":
                 break
             if t0 is None:
                 t0 = time.monotonic()
@@ -237,7 +237,7 @@ def _zarr_ceiling(worlds: int, seconds: float, root: Path, args: Any, *, path: s
                                                   shards=(16 * chunk, *value.shape[1:]) if path == "sharded"
                                                   else None,
                                                   compressors=codecs(args.compression),
-                                                  chunk_key_encoding=CHUNK_KEYS,
+                                                  chunk_key_encoding=CHUNK_KEYS,  # type: ignore[arg-type]
                                                   ).with_config(APPEND_CONFIG)  # as the daemon's
         pairs = [(arrays[name], value) for name, value in block.items()]
         _zarr_io.sync_path(path == "writer")
@@ -295,7 +295,7 @@ def _env(args: Any) -> dict[str, str]:
 def _store_bytes(store: str) -> int:
     """Encoded bytes of every object of ``store`` (a directory or an S3 URL)."""
     if store.startswith("s3://"):
-        import s3fs  # type: ignore[import-untyped]
+        import s3fs
 
         return int(s3fs.S3FileSystem().du(store))
     return sum(p.stat().st_size for p in Path(store).rglob("*") if p.is_file())
@@ -316,7 +316,7 @@ def _s3_endpoint(root: Path) -> Any:
     os.environ.update({"AWS_ENDPOINT_URL": f"http://{host}:{port}", "AWS_ACCESS_KEY_ID": "testing",
                        "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1",
                        "AWS_CONFIG_FILE": nowhere, "AWS_SHARED_CREDENTIALS_FILE": nowhere})
-    import s3fs  # type: ignore[import-untyped]
+    import s3fs
 
     s3fs.S3FileSystem().mkdir("worldtap-bench")
     return server
@@ -489,12 +489,21 @@ def _verify(store: str, ends: np.ndarray, worlds: int, run: str = RUN) -> dict[s
                 "rows_checked": 0}
     root = zarr.open_group(open_store(store, read_only=True), mode="r")
     base = f"runs/{run}"
+
+    def array(path: str) -> zarr.Array[Any]:
+        node = root[f"{base}/{path}"]
+        assert isinstance(node, zarr.Array), path
+        return node
+
+    def column(path: str, rows: int) -> np.ndarray:
+        return np.asarray(array(path)[:rows])
+
     meta = reader.info(run)["committed"]
     n_seg, n_ep = meta["segments"], meta["episodes"]
-    seg = {c: root[f"{base}/segments/{c}"][:n_seg] for c in ("episode", "offset", "rows")}
-    end_step = root[f"{base}/episodes/end_step"][:n_ep]
-    length = root[f"{base}/episodes/length"][:n_ep]
-    world_of = root[f"{base}/episodes/world"][:n_ep]
+    seg = {c: column(f"segments/{c}", n_seg) for c in ("episode", "offset", "rows")}
+    end_step = column("episodes/end_step", n_ep)
+    length = column("episodes/length", n_ep)
+    world_of = column("episodes/world", n_ep)
     within = np.zeros(n_seg, np.int64)  # rows of the same episode before each segment
     order_idx = np.lexsort((np.arange(n_seg), seg["episode"]))
     cums = np.cumsum(seg["rows"][order_idx]) - seg["rows"][order_idx]
@@ -510,14 +519,14 @@ def _verify(store: str, ends: np.ndarray, worlds: int, run: str = RUN) -> dict[s
         start = end_step[e] - length[e] + w0
         row_step[o:o + r] = np.arange(start, start + r)
     pool = _pool(worlds)
-    arrays = {name: root[f"{base}/data/{TERM}/{name}"] for name in pool}
-    steps_arr = root[f"{base}/data/{TERM}/_step"]
+    arrays = {name: array(f"data/{TERM}/{name}") for name in pool}
+    steps_arr = array(f"data/{TERM}/_step")
     rows_checked, piece = 0, 1 << 16
     for a in range(0, total, piece):
         b = min(total, a + piece)
         valid = row_world[a:b] >= 0
         w, s = row_world[a:b][valid], row_step[a:b][valid]
-        ok &= bool(np.array_equal(steps_arr[a:b][valid], s))
+        ok &= bool(np.array_equal(np.asarray(steps_arr[a:b])[valid], s))
         for name, arr in arrays.items():
             want = pool[name][s % POOL, w]
             if name == "state":
@@ -527,11 +536,11 @@ def _verify(store: str, ends: np.ndarray, worlds: int, run: str = RUN) -> dict[s
     ok &= rows_checked == int(eps["length"].sum())
     rng = np.random.default_rng(0)  # and a sample through the reader API, whole episodes
     for i in rng.choice(len(eps), size=min(20, len(eps)), replace=False).tolist():
-        w, idx, n, end = (int(eps[c][i]) for c in ("world", "index", "length", "end_step"))
-        got = reader.episode(run, w, idx)
+        world, idx, n, end = (int(eps[c][i]) for c in ("world", "index", "length", "end_step"))
+        got = reader.episode(run, world, idx)
         steps = np.arange(end - n, end)
         for name in pool:
-            want = np.stack([_stamped(pool, s, np.array([w]))[name][0] for s in steps.tolist()]) \
+            want = np.stack([_stamped(pool, step, np.array([world]))[name][0] for step in steps.tolist()]) \
                 if n else np.zeros((0, *pool[name].shape[2:]), pool[name].dtype)
             ok &= got[f"{TERM}/{name}"].tobytes() == want.tobytes()
     return {"byte_equal": bool(ok), "episodes_published": len(ends), "episodes_stored": len(eps),
@@ -589,7 +598,7 @@ def main() -> None:
         samples: dict[str, list[float]] = {"zmq": [], "zarr": [], **{p: [] for p in paths}}
         rng = random.Random(args.seed)
 
-        def ceilings(trials: int) -> None:
+        def measure_ceilings(trials: int) -> None:
             for _ in range(trials):
                 order = list(samples)
                 rng.shuffle(order)
@@ -601,9 +610,9 @@ def main() -> None:
 
         # Half the ceiling trials before the pipeline and half after: a shared machine's
         # speed drifts, and the ratio should compare like with like.
-        ceilings(-(-args.trials // 2))
+        measure_ceilings(-(-args.trials // 2))
         result = _pipeline(args, root, store) if args.publishers is None else _proxied(args, root, store)
-        ceilings(args.trials // 2)
+        measure_ceilings(args.trials // 2)
     finally:
         if server is not None:
             server.stop()
