@@ -27,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "storage"))
 from procs import Proc
 from storage_sim import assert_episode_equal
 from store_checks import check_store, replay
+from waiting import wait_until
 
 from broker import (
     Batch,
@@ -77,13 +78,6 @@ def spawn(tmp_path: Path) -> Iterator[Callable[..., Proc]]:
         if proc.popen.poll() is None:
             proc.popen.kill()
         proc.wait(10)
-
-
-def _wait(condition: Callable[[], bool], what: str, timeout: float = 15.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.005)
 
 
 class _Reader(threading.Thread):
@@ -245,15 +239,15 @@ def test_subscribers_behind_the_proxy_count_while_alive(
     for pub in (early, late):
         pub.wait_for_subscribers(2, timeout=15)
     second.close()
-    _wait(lambda: early.statistics().subscribers == late.statistics().subscribers == 1,
-          "the closed subscriber to stop counting")
+    wait_until(lambda: early.statistics().subscribers == late.statistics().subscribers == 1,
+               "the closed subscriber to stop counting", timeout=15)
     frozen = spawn("-c", _FROZEN, back, hello_subscription("frozen", 1 << 20).hex())
     frozen.wait_line("ready", stream="out")
     for pub in (early, late):
         pub.wait_for_subscribers(2, timeout=15)
     frozen.popen.send_signal(signal.SIGSTOP)  # silent from now on, connection open
-    _wait(lambda: early.statistics().subscribers == late.statistics().subscribers == 1,
-          "the silent subscriber to stop counting")
+    wait_until(lambda: early.statistics().subscribers == late.statistics().subscribers == 1,
+               "the silent subscriber to stop counting", timeout=15)
     assert first.recv(timeout=0.05) is None  # the live one still counts
     assert early.statistics().subscribers == 1
 

@@ -23,6 +23,7 @@ import msgpack
 import pytest
 import torch
 import zmq
+from waiting import wait_until
 
 from broker import (
     Batch,
@@ -71,13 +72,6 @@ def _accounted(stats: PublisherStatistics) -> None:
     assert stats.closed
     assert stats.queued == 0
     assert stats.published == stats.messages + stats.drops + stats.failed, stats
-
-
-def _wait(condition: Callable[[], bool], what: str, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.005)
 
 
 class _Reader(threading.Thread):
@@ -238,7 +232,7 @@ def test_socket_send_timeouts_are_all_reported_and_show_as_gaps(
         s = pub.statistics()
         return s.messages + s.drops + s.failed == s.published and s.queued == 0
 
-    _wait(handled, "the sender thread to hand on or time out every message")
+    wait_until(handled, "the sender thread to hand on or time out every message")
     timeouts = pub.statistics().send_timeouts
     assert timeouts >= 2
     try:
@@ -406,7 +400,7 @@ def test_killed_bound_subscribers_stop_counting_and_close_succeeds(
         doomed.line("message")  # it has received it
         published += 1
         doomed.kill()
-        _wait(lambda: count() == 0, "the killed subscriber to stop counting", timeout=15)
+        wait_until(lambda: count() == 0, "the killed subscriber to stop counting", timeout=15)
         with pytest.raises(SubscriberTimeoutError, match=r"expected 1 subscriber\(s\) .* 0 joined"):
             pub.wait_for_subscribers(1, timeout=0.3)
         assert [check_numbered(m) for m in _received(out)] == [published - 1]
@@ -511,7 +505,7 @@ def test_an_unconfirmed_run_end_is_sent_again_to_the_subscriber_that_rejoins_wit
     _walk(items.items, 5, check_numbered)
     assert isinstance(items.items[-1], RunEnd)
     a.close()  # gone before it confirmed (a killed daemon)
-    _wait(lambda: pub.statistics().subscribers == 0, "the first subscriber to be gone")
+    wait_until(lambda: pub.statistics().subscribers == 0, "the first subscriber to be gone")
     b = make_sub(pub.endpoints[0], id="d1", confirm_run_ends=False)
     pub.wait_for_subscribers(1, timeout=10)
     raised: list[BaseException] = []
@@ -607,7 +601,7 @@ def test_a_cut_connection_loses_whole_messages_only_and_they_are_a_gap(
     relay.cut_on(marker)
     for i in range(10):
         pub(numbered(i, width=BIG))
-    _wait(lambda: relay.cuts == 1 and relay.accepted == 2 and pub.statistics().subscribers == 1,
+    wait_until(lambda: relay.cuts == 1 and relay.accepted == 2 and pub.statistics().subscribers == 1,
           "the cut and the reconnection")
     for i in range(10, 20):
         pub(numbered(i, width=BIG))

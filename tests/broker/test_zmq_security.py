@@ -7,12 +7,12 @@ import shutil
 import stat
 import subprocess
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
+from waiting import wait_until
 
 from broker import (
     Batch,
@@ -149,14 +149,6 @@ def test_is_loopback(endpoint: str, local: bool) -> None:
     assert is_loopback(endpoint) is local
 
 
-def _until(what: Callable[[], bool], timeout: float = 10.0) -> None:
-    """Wait until ``what()`` holds (the sockets report it), or fail."""
-    deadline = time.monotonic() + timeout
-    while not what():
-        assert time.monotonic() < deadline, "the condition never held"
-        time.sleep(0.01)
-
-
 def test_failed_handshakes_are_reported_on_both_sides(
         make_pub: MakePub, make_sub: MakeSub, free_endpoint: Callable[[], str],
         batch: Callable[..., Batch]) -> None:
@@ -179,8 +171,9 @@ def test_failed_handshakes_are_reported_on_both_sides(
     }
     for sub, cause in causes.items():
         # (a connection closed mid-handshake is reported without detail first, at times)
-        _until(lambda s=sub, c=cause: s.recv(timeout=0.01) is None
-               and list(s.statistics().failing_endpoints.values()) == [c])
+        wait_until(lambda s=sub, c=cause: s.recv(timeout=0.01) is None
+                   and list(s.statistics().failing_endpoints.values()) == [c],
+                   f"the subscriber to report {cause!r}", poll=0.01)
         stats = sub.statistics()
         assert stats.handshake_failures >= 1
         assert list(stats.failing_endpoints.values()) == [cause]
@@ -195,7 +188,7 @@ def test_failed_handshakes_are_reported_on_both_sides(
         got = set(pub.statistics().handshake_causes)
         return expected <= got and bool(plain_causes & got)
 
-    _until(seen)
+    wait_until(seen, "the publisher to count every refused handshake", poll=0.01)
     with pytest.raises(SubscriberTimeoutError) as error:
         pub.wait_for_subscribers(1, timeout=0.2)
     assert "0 joined; " in str(error.value)
@@ -231,7 +224,7 @@ def test_proxy_counts_refused_peers_by_side(make_sub: MakeSub) -> None:
             return (proxy.statistics().handshake_failures.get("backend", {}).get(refused, 0) >= 1
                     and bool(sub.statistics().failing_endpoints))
 
-        _until(counted)
+        wait_until(counted, "the proxy and the subscriber to count the refusal", poll=0.01)
         stats = proxy.statistics()
         assert set(stats.handshake_failures) == {"backend"}
         assert f"backend_handshakes_failed={sum(stats.handshake_failures['backend'].values())}" in _status(stats)

@@ -23,9 +23,8 @@ import re
 import signal
 import sys
 import threading
-import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -37,6 +36,7 @@ from faulty_store import faulty
 from procs import ROOT, Proc
 from storage_sim import Sim, assert_episode_equal
 from store_checks import Spans, check_store
+from waiting import wait_until
 from zarr.core.buffer import default_buffer_prototype
 from zarr.core.sync import sync
 
@@ -195,13 +195,6 @@ def commit(daemon: StoreDaemon, run: str = "run-a") -> None:
     (nothing if the run failed: it stopped at its last commit)."""
     if run in daemon.runs:
         daemon.runs[run].commit(wait=True)
-
-
-def wait_for(condition: Callable[[], bool], what: str, seconds: float = 30.0) -> None:
-    deadline = time.monotonic() + seconds
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
 
 
 def check_episodes(reader: RunStore, sim: Sim, run: str = "run-a") -> set[tuple[int, int]]:
@@ -418,14 +411,15 @@ def test_resume_after_kill_9(backend: Backend, tmp_path: Path, capsys: pytest.Ca
             reader.refresh()
             return "run-a" in reader.runs() and len(reader.episodes("run-a")) > 0
 
-        wait_for(committed, "a committed episode")
+        wait_until(committed, "a committed episode", timeout=30, poll=0.05)
         first.popen.send_signal(signal.SIGKILL)
         assert first.wait() == -signal.SIGKILL
-        wait_for(lambda: publisher.statistics().subscribers == 0, "the publisher to see it gone")
+        wait_until(lambda: publisher.statistics().subscribers == 0, "the publisher to see it gone", timeout=30)
         sim.step(2)  # published while no daemon listens: lost
         if backend.name == "s3":  # the dead daemon's lease holds the store until it expires
             assert not _try_lease(backend.url)
-            wait_for(lambda: _try_lease(backend.url), "the dead daemon's lease to expire")  # type: ignore[arg-type]
+            wait_until(lambda: _try_lease(backend.url), "the dead daemon's lease to expire",  # type: ignore[arg-type]
+                       timeout=30, poll=0.05)
         second = _daemon(backend.url, endpoint, tmp_path, "--exit-after-runs", "1")
         procs.append(second)
         second.wait_line("worldtap-store ready")
@@ -478,7 +472,7 @@ def test_one_writer_at_a_time(backend: Backend) -> None:
             assert first._fd is not None
             os.close(first._fd)
             first._fd = None
-        wait_for(lambda: _try(second), "the takeover")
+        wait_until(lambda: _try(second), "the takeover", timeout=30, poll=0.05)
         assert second.held
         if isinstance(first, StoreLease):
             with pytest.raises(LeaseExpiredError):
@@ -524,7 +518,7 @@ def test_fencing_stops_a_holder_cut_off_from_its_lease(backend: Backend) -> None
                 return getattr(reachable, name)
 
         lease.fs = CutOff()
-        wait_for(lease.lost.is_set, "the holder to fence itself", seconds=10)
+        wait_until(lease.lost.is_set, "the holder to fence itself", timeout=10, poll=0.05)
         before = backend.fingerprint()
         sim.step(STEPS - 6)
         commit(daemon)  # refused: the run fails here at the latest
@@ -532,7 +526,8 @@ def test_fencing_stops_a_holder_cut_off_from_its_lease(backend: Backend) -> None
         daemon.close()
         assert backend.fingerprint() == before  # not one byte after the fence
         assert daemon.statistics().runs_failed == 1
-        wait_for(lambda: _try_lease(backend.location), "the lapsed lease to expire")  # type: ignore[arg-type]
+        wait_until(lambda: _try_lease(backend.location), "the lapsed lease to expire",  # type: ignore[arg-type]
+                   timeout=30, poll=0.05)
         assert check_episodes(RunStore(backend.location), sim)
     finally:
         lease.release()

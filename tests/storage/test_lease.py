@@ -8,6 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from waiting import wait_until
 
 from storage import RunStore, RunStoreWriter, StoreLease, StoreLock, StoreLockedError
 from storage.cli import build_parser, store_locks
@@ -18,13 +19,6 @@ pytest.importorskip("fsspec")
 
 def _url() -> str:
     return f"memory://lease-{uuid.uuid4().hex}"
-
-
-def _wait(condition: object, seconds: float = 20.0) -> None:
-    deadline = time.monotonic() + seconds
-    while not condition():  # type: ignore[operator]
-        assert time.monotonic() < deadline, "condition not reached"
-        time.sleep(0.05)
 
 
 def test_a_second_daemon_is_refused_until_the_first_releases() -> None:
@@ -55,7 +49,7 @@ def test_a_crashed_holders_lease_expires_and_a_live_one_is_renewed() -> None:
     with pytest.raises(StoreLockedError):
         StoreLease(url).acquire()
     resumed = StoreLease(url)
-    _wait(lambda: _try(resumed))
+    wait_until(lambda: _try(resumed), "the resumed lease to be acquired", timeout=20, poll=0.05)
     assert resumed.held
     resumed.release()
 
@@ -73,7 +67,7 @@ def test_a_holder_that_finds_another_lease_knows_it_lost() -> None:
     holder = StoreLease(url, ttl=0.6).acquire()
     intruder = StoreLease(url)
     intruder._write()  # e.g. an operator forced a second daemon in after a long stall
-    _wait(holder.lost.is_set)
+    wait_until(holder.lost.is_set, "the holder to lose its lease", timeout=20, poll=0.05)
     assert not holder.held
     holder.release()  # never deletes the intruder's lease
     assert intruder._read() is not None
@@ -134,7 +128,7 @@ def test_a_holder_cut_off_from_the_store_stops_writing_before_its_lease_expires(
             return getattr(fs, name)
 
     lease.fs = CutOff()  # the store itself still accepts the daemon's writes
-    _wait(lease.lost.is_set, seconds=5)
+    wait_until(lease.lost.is_set, "the lease to be lost", timeout=5, poll=0.05)
     with pytest.raises(LeaseExpiredError, match="stopped writing"):
         lease.check()
     root = url.removeprefix("memory://")
@@ -146,7 +140,7 @@ def test_a_holder_cut_off_from_the_store_stops_writing_before_its_lease_expires(
     assert after == before  # not one byte written after the fence
     assert daemon.statistics().runs_failed == 1
     # the lease expires on the store's clock: a second daemon takes over and reads what was committed
-    _wait(lambda: _try(StoreLease(url)), seconds=5)
+    wait_until(lambda: _try(StoreLease(url)), "a new lease to be acquired", timeout=5, poll=0.05)
     reader = RunStore(url)
     assert len(reader.episodes("run-a")) > 0
     lease.release()  # never deletes the new holder's lease
