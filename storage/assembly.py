@@ -16,7 +16,10 @@ against the variation's spec, labels and flags by type. A message that fails is 
 Sequence numbers: a run's messages are numbered consecutively, so a repeat or a step back is a
 replay (rejected, never stored twice) and a step forward by more than one is a loss, even when
 the transport reports it only later: every episode in progress becomes incomplete at once, and
-the range is recorded as a gap (source :data:`GAP_SEQUENCE`). A run joined without its
+the range is recorded as a gap (source :data:`GAP_SEQUENCE`). A repeated number is a replay only
+if the message is the one accepted under it (kind, topic, step and hook, checked over the last
+:data:`SEQ_MEMORY` numbers accepted); a different message is a conflict: it is rejected too, and
+the episodes it touched become incomplete, for its rows are never stored. A run joined without its
 ``RunStart`` from a message past seq 1 records what it missed as a gap of source
 :data:`GAP_JOINED_LATE`. Such a run writes nothing to the store until it has an episode or a
 variation sample to commit (or its ``RunStart`` or ``RunEnd`` arrives): stray one-message runs
@@ -32,7 +35,7 @@ from __future__ import annotations
 import json
 import math
 import time
-from collections import Counter, defaultdict
+from collections import Counter, defaultdict, deque
 from collections.abc import Mapping
 from typing import Any, Literal, TypeAlias
 
@@ -59,6 +62,9 @@ MAX_WORLDS = 1 << 24
 _MIN_PIECE = 512  # bytes: smallest write piece (a piece holds at least one row whatever its size)
 _WORLD_BYTES = 9  # per world: its episode index (int64) and whether it is seen whole (bool)
 _TOPIC_WORLD_BYTES = 24  # per world and topic: row count, first slot, world index (int64 each)
+SEQ_MEMORY = 1024
+"""Sequence numbers of a run whose message (kind, topic, step, hook) the daemon remembers, to tell
+a replay from a conflict (:meth:`RunAssembly.check_seq`)."""
 GAP_JOINED_LATE = 2
 """Gap ``source`` of a run joined late: run sequence numbers ``[0, received)`` were published
 before this daemon saw the run (its first message was neither its ``RunStart`` nor seq 1)."""
@@ -73,7 +79,7 @@ class RejectedMessage(StorageError, ValueError):
 
     Attributes:
         reason: A short, stable code (``"worlds"``, ``"schema"``, ``"dtype"``, ``"replay"``,
-            ``"budget"``, ``"run"``, ...) the daemon counts rejections by.
+            ``"conflict"``, ``"budget"``, ``"run"``, ...) the daemon counts rejections by.
         worlds: World indices whose current episode the message touched (they become
             incomplete), ``None`` when they cannot be trusted (then every world's is).
     """
@@ -82,6 +88,19 @@ class RejectedMessage(StorageError, ValueError):
         super().__init__(f"{reason}: {message}")
         self.reason = reason
         self.worlds = worlds
+
+
+def identity(message: Any, step: int) -> tuple[str, str, int, str | None]:
+    """What tells two messages of a run apart when they carry one sequence number: their kind,
+    topic, step and (batches) hook. A replay has all four of the message it repeats."""
+    topic, hook = getattr(message, "topic", None), getattr(message, "hook", None)
+    return (type(message).__name__, topic if isinstance(topic, str) else repr(topic)[:80], step,
+            hook if isinstance(hook, str) else None)
+
+
+def _describe(ident: tuple[str, str, int, str | None]) -> str:
+    kind, topic, step, hook = ident
+    return f"{kind} {topic!r:.80} at step {step}" + (f", {hook}" if hook else "")
 
 
 def as_numpy(t: Any, what: str) -> np.ndarray:
@@ -294,6 +313,9 @@ class RunAssembly:
         self.resumed = resumed
         self._resume_seq: int | None = self.seq_high if resumed else None
         self.last_seq = self.seq_high
+        # what was accepted under each of the last SEQ_MEMORY sequence numbers, oldest first
+        self._accepted: dict[int, tuple[str, str, int, str | None]] = {}
+        self._accepted_order: deque[int] = deque()
         self.last_commit = self.last_message = time.monotonic()
         self.filtered = self.incomplete = self.open_at_end = 0
         # Messages of this run the daemon rejected, by reason: kept in the run's attributes at
@@ -348,14 +370,17 @@ class RunAssembly:
 
     # -- validation ----------------------------------------------------------------------
 
-    def check_seq(self, seq: int, step: int) -> None:
+    def check_seq(self, seq: int, step: int, message: Any = None) -> None:
         """Accept the run sequence number of the next message, or reject a repeat.
 
         Every message of a run carries a sequence number that grows in publication order; one
-        that does not exceed the last one accepted was replayed or duplicated.
+        that does not exceed the last one accepted was replayed or duplicated, unless another
+        message was accepted under it (see :func:`identity`): then this one is never stored.
 
         Raises:
-            RejectedMessage: (``"replay"``) ``seq`` was seen already.
+            RejectedMessage: (``"replay"``) ``seq`` was seen already, for this message (or
+                too long ago to tell); (``"conflict"``) another message was accepted under
+                ``seq``: the episodes this one touches become incomplete.
         """
         seq, step = int(seq), int(step)
         if self._joined:  # the first message of a run joined without its RunStart
@@ -366,10 +391,21 @@ class RunAssembly:
             self.last_seq = seq - 1
         if self.first_seq is None:
             self.first_seq = seq
+        ident = identity(message, step)
         if seq <= self.last_seq:
+            taken = self._accepted.get(seq)
+            if taken is not None and taken != ident:
+                raise RejectedMessage("conflict", f"run {self.run!r}: message seq {seq} was accepted "
+                                                  f"for another message ({_describe(taken)}); this "
+                                                  f"one ({_describe(ident)}) is never stored",
+                                      worlds=self._touched_worlds(message))
             raise RejectedMessage("replay", f"run {self.run!r}: message seq {seq} is not after the "
                                             f"last one accepted ({self.last_seq}); a replay or a "
                                             f"duplicate is never stored twice", worlds=np.zeros(0, np.int64))
+        self._accepted[seq] = ident
+        self._accepted_order.append(seq)
+        if len(self._accepted_order) > SEQ_MEMORY:
+            del self._accepted[self._accepted_order.popleft()]
         if self._resume_seq is not None:
             # What the daemon that stopped never committed: the messages after its last
             # commit, and the episodes then in progress (so recorded even when none was lost).
@@ -382,6 +418,17 @@ class RunAssembly:
         self.seq_high = max(self.seq_high, seq)
         self.step_high = max(self.step_high, step)
         self.last_message = time.monotonic()
+
+    def _touched_worlds(self, message: Any) -> np.ndarray | None:
+        """The worlds whose current episode ``message`` would have touched: those it names, if
+        it names them validly; ``None`` (every world) if it names none it can be trusted on."""
+        if not isinstance(message, Batch | EpisodeEnd | VariationSample):
+            return None
+        try:
+            worlds, _ = self._worlds(message.worlds, message.episodes, str(message.topic))
+        except RejectedMessage:
+            return None
+        return worlds
 
     def _worlds(self, worlds_t: Any, episodes_t: Any, topic: str) -> tuple[np.ndarray, np.ndarray]:
         worlds = as_numpy(worlds_t, f"topic {topic!r} worlds")

@@ -224,7 +224,7 @@ class StoreDaemon:
             name = asm.run
             if isinstance(item, RunStart):
                 return
-            asm.check_seq(item.seq, item.step)
+            asm.check_seq(item.seq, item.step, item)
             if isinstance(item, Batch):
                 asm.on_batch(item)
             elif isinstance(item, EpisodeEnd):
@@ -328,7 +328,7 @@ class StoreDaemon:
         self._session[msg.run] = name
         self._ended.discard(name)
         asm = self._admit(name, msg.run, num_worlds=num_worlds, device=device,
-                          metadata=metadata, clean=True, seq=msg.seq, step=msg.step)
+                          metadata=metadata, clean=True, seq=msg.seq, step=msg.step, start=msg)
         asm.set_run_fields(fields)
         return asm
 
@@ -340,7 +340,7 @@ class StoreDaemon:
 
     def _admit(self, name: str, run_id: str, *, num_worlds: int | None, device: str,
                metadata: dict[str, Any] | None, clean: bool, seq: int | None,
-               step: int | None) -> RunAssembly:
+               step: int | None, start: RunStart | None = None) -> RunAssembly:
         if len(self.runs) >= self.max_runs:
             idle = min(self.runs, key=lambda r: self.runs[r].last_message)
             _log.warning("%d runs active (max_runs): retiring the least recently active, %r",
@@ -397,7 +397,7 @@ class StoreDaemon:
                 queue.submit(writer.create)  # a started run shows in the store at once
         if seq is not None and step is not None:
             asm.started = True
-            asm.check_seq(seq, step)
+            asm.check_seq(seq, step, start)
         self.runs[name] = asm
         for other in self.runs.values():
             if other is not asm:

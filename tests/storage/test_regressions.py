@@ -522,6 +522,31 @@ def test_replayed_or_backward_messages_are_never_stored_twice() -> None:
     check_run(RunStore(daemon.writers[0].store), "run-a", sim)
 
 
+def test_a_message_refused_because_another_took_its_seq_drops_the_episodes_it_touched() -> None:
+    """Found by a larger daemon fuzz campaign: when a different message arrived first under a
+    batch's sequence number, the batch was refused as a replay, as if it were stored already,
+    and the episodes of its worlds were committed without its rows (steps 0, 2, ...). Such a
+    message is a conflict, not a replay: counted as ``conflict``, and the episodes it touched
+    are dropped as incomplete; every other episode is stored byte for byte."""
+    sim, msgs = record(steps=30)
+    msgs = renumber(msgs)
+    i, _, _ = mid_episode(sim, msgs)
+    batch = msgs[i]
+    impostor = dataclasses.replace(  # an empty batch of another term, numbered as the batch
+        batch, topic="batch/final", worlds=torch.zeros(0, dtype=torch.int64),
+        episodes=torch.zeros(0, dtype=torch.int64),
+        fields={"reward": torch.zeros(0, dtype=torch.float32)})
+    daemon = StoreDaemon(zarr.storage.MemoryStore(), commit_interval=0)
+    feed(daemon, [*msgs[:i], impostor, *msgs[i:]])
+    daemon.close()
+    stats = daemon.statistics()
+    assert dict(stats.rejected) == {"conflict": 1}
+    lost = set(zip(batch.worlds.tolist(), batch.episodes.tolist(), strict=True)) & set(sim.outcome)
+    assert lost
+    assert stats.episodes_incomplete >= len(lost)
+    check_run(RunStore(daemon.writers[0].store), "run-a", sim, skip=lost)
+
+
 # -- item 25: RunStart after data ----------------------------------------------------------------
 
 
