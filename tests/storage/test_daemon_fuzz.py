@@ -16,7 +16,7 @@ byte for byte as published, none twice; and the clean run published afterwards r
 whole and byte-exact.
 
 A larger campaign: ``WORLDTAP_FUZZ_EXAMPLES=2000 python -m pytest tests/storage/test_daemon_fuzz.py
--q -o timeout=0``.
+-q`` (each test's time limit grows with the number of examples).
 """
 
 from __future__ import annotations
@@ -40,9 +40,9 @@ from storage_sim import Sim, assert_episode_equal, owned
 from broker import Batch, Broker, EpisodeEnd, Gap, Message, RunEnd, RunStart, VariationSample
 from storage import RunStore, StoreDaemon
 
-pytestmark = pytest.mark.timeout(300)
-
 EXAMPLES = int(os.environ.get("WORLDTAP_FUZZ_EXAMPLES", "4"))
+pytestmark = pytest.mark.timeout(300 + EXAMPLES)  # an example takes well under a second
+
 BUDGET = 96 << 10
 WORLDS = 3
 
