@@ -551,8 +551,12 @@ class RunAssembly:
                        **{k: bool(v[i]) for k, v in flags.items()},
                        "outcomes": {k: float(v[i]) for k, v in outcomes.items()}}
                 self.pending[id(writer)].append((row, segs[w]))
-        self.episode[worlds] = episodes + 1
-        self.clean[worlds] = True
+        # The next episode is seen whole from here, unless this end is of an episode the world
+        # has ended already (a stale copy): then the rows of the one in progress were dropped
+        # above, and it stays incomplete until its own end.
+        current = self.episode[worlds]
+        self.clean[worlds] = episodes >= current
+        self.episode[worlds] = np.maximum(current, episodes + 1)
 
     def on_variation(self, msg: VariationSample[Any]) -> None:
         if not isinstance(msg.key, str) or not msg.key:

@@ -547,6 +547,44 @@ def test_a_message_refused_because_another_took_its_seq_drops_the_episodes_it_to
     check_run(RunStore(daemon.writers[0].store), "run-a", sim, skip=lost)
 
 
+def test_a_stale_episode_end_does_not_cut_the_episode_in_progress() -> None:
+    """Found by a larger daemon fuzz campaign: a copy of a world's earlier ``EpisodeEnd``
+    arriving as a new message (a fresh sequence number) dropped the rows of the world's episode
+    in progress, yet marked the world clean, so that episode was committed without its first
+    rows. The episode in progress is now dropped as incomplete; every other episode is stored
+    byte for byte."""
+    sim, msgs = record(steps=30)
+    episode = dict.fromkeys(range(sim.num_worlds), 0)
+    rows = dict.fromkeys(range(sim.num_worlds), 0)
+    ends: dict[int, int] = {}  # world -> position of its last EpisodeEnd
+    at = None
+    for i, m in enumerate(msgs):
+        if isinstance(m, EpisodeEnd):
+            for w in m.worlds.tolist():
+                episode[w] += 1
+                rows[w] = 0
+                ends[w] = i
+        elif isinstance(m, Batch) and m.term == "obs":
+            for w in m.worlds.tolist():
+                rows[w] += 1
+                if rows[w] == 2 and w in ends and (w, episode[w]) in sim.outcome:
+                    at = (i, w, episode[w])
+                    break
+        if at is not None:
+            break
+    assert at is not None, "no world with a second episode long enough"
+    i, world, current = at
+    stale = msgs[ends[world]]
+    # the episodes in progress of every world the stale end names (it may name several)
+    cut = {(w, episode[w]) for w in stale.worlds.tolist()} & set(sim.outcome)
+    assert (world, current) in cut
+    daemon = StoreDaemon(zarr.storage.MemoryStore(), commit_interval=0)
+    feed(daemon, renumber([*msgs[:i], stale, *msgs[i:]]))
+    daemon.close()
+    assert daemon.statistics().episodes_incomplete >= len(cut)
+    check_run(RunStore(daemon.writers[0].store), "run-a", sim, skip=cut)
+
+
 # -- item 25: RunStart after data ----------------------------------------------------------------
 
 
