@@ -419,16 +419,20 @@ class RunAssembly:
         self.step_high = max(self.step_high, step)
         self.last_message = time.monotonic()
 
-    def _touched_worlds(self, message: Any) -> np.ndarray | None:
+    @staticmethod
+    def _touched_worlds(message: Any) -> np.ndarray | None:
         """The worlds whose current episode ``message`` would have touched: those it names, if
-        it names them validly; ``None`` (every world) if it names none it can be trusted on."""
+        it names them as a 1-D integer array; ``None`` (every world) otherwise. Nothing about
+        the run changes (:meth:`invalidate` ignores indices outside it)."""
         if not isinstance(message, Batch | EpisodeEnd | VariationSample):
             return None
         try:
-            worlds, _ = self._worlds(message.worlds, message.episodes, str(message.topic))
+            worlds = as_numpy(message.worlds, "worlds")
         except RejectedMessage:
             return None
-        return worlds
+        if worlds.ndim != 1 or worlds.dtype.kind not in "iu":
+            return None
+        return worlds.astype(np.int64, copy=False)
 
     def _worlds(self, worlds_t: Any, episodes_t: Any, topic: str) -> tuple[np.ndarray, np.ndarray]:
         worlds = as_numpy(worlds_t, f"topic {topic!r} worlds")
