@@ -16,11 +16,11 @@ against the variation's spec, labels and flags by type. A message that fails is 
 Sequence numbers: a run's messages are numbered consecutively, so a repeat or a step back is a
 replay (rejected, never stored twice) and a step forward by more than one is a loss, even when
 the transport reports it only later: every episode in progress becomes incomplete at once, and
-the range is recorded as a gap (source :data:`GAP_SEQUENCE`). A repeated number is a replay only
-if the message is the one accepted under it (kind, topic, step and hook, checked over the last
-:data:`SEQ_MEMORY` numbers accepted); a different message is a conflict: it is rejected too, and
-the episodes it touched become incomplete, for its rows are never stored. A run joined without its
-``RunStart`` from a message past seq 1 records what it missed as a gap of source
+the range is recorded as a gap (source :data:`GAP_SEQUENCE`). A repeated number is a replay
+only if the message is the one accepted under it (kind, topic, step and hook, checked over the
+last :data:`SEQ_MEMORY` numbers accepted); a different message is a conflict: it is rejected
+too, and the episodes it touched become incomplete, for its rows are never stored. A run joined
+without its ``RunStart`` from a message past seq 1 records what it missed as a gap of source
 :data:`GAP_JOINED_LATE`. Such a run writes nothing to the store until it has an episode or a
 variation sample to commit (or its ``RunStart`` or ``RunEnd`` arrives): stray one-message runs
 leave no files, and their gaps wait with them in memory.
@@ -370,7 +370,7 @@ class RunAssembly:
 
     # -- validation ----------------------------------------------------------------------
 
-    def check_seq(self, seq: int, step: int, message: Any = None) -> None:
+    def check_seq(self, seq: int, step: int, message: Any) -> None:
         """Accept the run sequence number of the next message, or reject a repeat.
 
         Every message of a run carries a sequence number that grows in publication order; one

@@ -328,7 +328,7 @@ class StoreDaemon:
         self._session[msg.run] = name
         self._ended.discard(name)
         asm = self._admit(name, msg.run, num_worlds=num_worlds, device=device,
-                          metadata=metadata, clean=True, seq=msg.seq, step=msg.step, start=msg)
+                          metadata=metadata, clean=True, start=msg)
         asm.set_run_fields(fields)
         return asm
 
@@ -336,11 +336,10 @@ class StoreDaemon:
         """A run joined without its ``RunStart``: resumed from the store, or new (its start
         counts as seen when the first message follows ``RunStart``'s sequence number 0)."""
         return self._admit(name, msg.run, num_worlds=None, device="unknown", metadata=None,
-                           clean=msg.seq <= 1, seq=None, step=None)
+                           clean=msg.seq <= 1)
 
     def _admit(self, name: str, run_id: str, *, num_worlds: int | None, device: str,
-               metadata: dict[str, Any] | None, clean: bool, seq: int | None,
-               step: int | None, start: RunStart | None = None) -> RunAssembly:
+               metadata: dict[str, Any] | None, clean: bool, start: RunStart | None = None) -> RunAssembly:
         if len(self.runs) >= self.max_runs:
             idle = min(self.runs, key=lambda r: self.runs[r].last_message)
             _log.warning("%d runs active (max_runs): retiring the least recently active, %r",
@@ -384,7 +383,7 @@ class StoreDaemon:
             asm = RunAssembly(name, primary, writers[1] if len(writers) > 1 else None, self.export,
                               queue, num_worlds=num_worlds, budget_bytes=share, clean=clean,
                               resumed=resumed, commit_interval=self.commit_interval,
-                              joined=seq is None and not resumed)
+                              joined=start is None and not resumed)
         except BaseException:
             queue.close()
             for store in self.writers:
@@ -395,15 +394,15 @@ class StoreDaemon:
                 queue.submit(_resume_job, writer)
             elif num_worlds is not None:
                 queue.submit(writer.create)  # a started run shows in the store at once
-        if seq is not None and step is not None:
+        if start is not None:
             asm.started = True
-            asm.check_seq(seq, step, start)
+            asm.check_seq(start.seq, start.step, start)
         self.runs[name] = asm
         for other in self.runs.values():
             if other is not asm:
                 other.set_budget(share)
         _log.info("run %r: %s (%s worlds)", name,
-                  "resumed" if resumed else "started" if seq is not None else "joined",
+                  "resumed" if resumed else "started" if start is not None else "joined",
                   num_worlds if num_worlds is not None else "unknown")
         return asm
 
@@ -504,7 +503,7 @@ class StoreDaemon:
                 if name in self._failed or name in self._ended:
                     return
                 asm = self._admit(name, str(gap.run), num_worlds=None, device="unknown",
-                                  metadata=None, clean=False, seq=None, step=None)
+                                  metadata=None, clean=False)
             asm.on_gap(int(gap.expected), int(gap.received), str(gap.topic))
         except RejectedMessage as exc:
             self._rejected[exc.reason] += 1

@@ -84,9 +84,10 @@ def first(messages: list[Message], kind: type, **where: Any) -> int:
                 and all(getattr(m, k) == v for k, v in where.items()))
 
 
-def mid_episode(sim: Sim, messages: list[Message]) -> tuple[int, int, int]:
+def mid_episode(sim: Sim, messages: list[Message], *, not_first: bool = False) -> tuple[int, int, int]:
     """``(position, world, episode)``: a post-step batch at which ``world`` is in the middle of
-    an episode that ends later in the run (so it would be stored)."""
+    an episode that ends later in the run (so it would be stored); with ``not_first``, an
+    episode after the world's first."""
     episode = dict.fromkeys(range(sim.num_worlds), 0)
     rows = dict.fromkeys(range(sim.num_worlds), 0)
     for i, m in enumerate(messages):
@@ -97,7 +98,7 @@ def mid_episode(sim: Sim, messages: list[Message]) -> tuple[int, int, int]:
         elif isinstance(m, Batch) and m.term == "obs":
             for w in m.worlds.tolist():
                 rows[w] += 1
-                if rows[w] == 2 and (w, episode[w]) in sim.outcome:
+                if rows[w] == 2 and (w, episode[w]) in sim.outcome and episode[w] >= not_first:
                     return i, w, episode[w]
     raise AssertionError("no episode long enough")
 
@@ -554,29 +555,11 @@ def test_a_stale_episode_end_does_not_cut_the_episode_in_progress() -> None:
     rows. The episode in progress is now dropped as incomplete; every other episode is stored
     byte for byte."""
     sim, msgs = record(steps=30)
-    episode = dict.fromkeys(range(sim.num_worlds), 0)
-    rows = dict.fromkeys(range(sim.num_worlds), 0)
-    ends: dict[int, int] = {}  # world -> position of its last EpisodeEnd
-    at = None
-    for i, m in enumerate(msgs):
-        if isinstance(m, EpisodeEnd):
-            for w in m.worlds.tolist():
-                episode[w] += 1
-                rows[w] = 0
-                ends[w] = i
-        elif isinstance(m, Batch) and m.term == "obs":
-            for w in m.worlds.tolist():
-                rows[w] += 1
-                if rows[w] == 2 and w in ends and (w, episode[w]) in sim.outcome:
-                    at = (i, w, episode[w])
-                    break
-        if at is not None:
-            break
-    assert at is not None, "no world with a second episode long enough"
-    i, world, current = at
-    stale = msgs[ends[world]]
+    i, world, current = mid_episode(sim, msgs, not_first=True)
+    ends = [m for m in msgs[:i] if isinstance(m, EpisodeEnd)]
+    stale = next(m for m in reversed(ends) if world in m.worlds.tolist())
     # the episodes in progress of every world the stale end names (it may name several)
-    cut = {(w, episode[w]) for w in stale.worlds.tolist()} & set(sim.outcome)
+    cut = {(w, sum(w in m.worlds.tolist() for m in ends)) for w in stale.worlds.tolist()} & set(sim.outcome)
     assert (world, current) in cut
     daemon = StoreDaemon(zarr.storage.MemoryStore(), commit_interval=0)
     feed(daemon, renumber([*msgs[:i], stale, *msgs[i:]]))
