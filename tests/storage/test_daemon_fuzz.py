@@ -164,10 +164,28 @@ def _metadata(rng: random.Random) -> Any:
         {"big": 2**100}, {"s": "\x00" * 3, "t": ("a", 1.5)}])
 
 
+_TENSORS = ("worlds", "episodes", "value", "success", "terminated", "truncated", "length")
+
+
+def _intact(m: Message) -> bool:
+    """Whether every tensor a mutation may change is still a tensor of a dtype torch can
+    convert (an earlier mutation of the same message may have made it a list, None or float8)."""
+    values = [getattr(m, name) for name in _TENSORS if hasattr(m, name)]
+    if isinstance(m, Batch):
+        if not isinstance(m.fields, dict):
+            return False
+        values += m.fields.values()
+    return all(isinstance(v, torch.Tensor) and v.dtype not in (torch.float8_e4m3fn, torch.complex64)
+               for v in values)
+
+
 def mutate(rng: random.Random, i: int, m: Message) -> tuple[list[Any], set[Key]]:
     """Replace message ``m`` (at position ``i``) by what one mutation makes of it; returns the
-    items to feed instead and the episode keys it may have touched."""
+    items to feed instead and the episode keys it may have touched. A message an earlier
+    mutation has broken (see :func:`_intact`) is fed as it is."""
     touched = _touched(m)
+    if not _intact(m):
+        return [m], touched
     r = dataclasses.replace
     if isinstance(m, Batch):
         fields = dict(m.fields)
@@ -376,6 +394,14 @@ def test_fuzz_handle_disk_store(seed: int) -> None:
     """The same contract over a real directory store (node names become file names there)."""
     with tempfile.TemporaryDirectory() as tmp:
         fuzz_one(seed, lambda: os.path.join(tmp, "runs.zarr"))
+
+
+@pytest.mark.parametrize(("seed", "disk"), [(15521645, False), (40310692, True), (4932, False), (50000067, False)])
+def test_fuzz_seeds_that_found_defects(seed: int, disk: bool, tmp_path: Any) -> None:
+    """The examples of larger campaigns that failed: a seq conflict taken for a replay (the
+    first two), a stale EpisodeEnd that cut the episode in progress, and a second mutation of
+    a message the first had broken (which made this module's own generator raise)."""
+    fuzz_one(seed, (lambda: str(tmp_path / "runs.zarr")) if disk else zarr.storage.MemoryStore)
 
 
 @pytest.mark.parametrize("seed", range(2))
