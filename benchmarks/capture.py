@@ -18,15 +18,16 @@ import torch
 
 from broker import Broker
 from capture import FunctionTerm, Recorder
-from consumers import LiveStatistics, Retention
+from consumers import LiveStatistics, Retention, _kernels
 
 from . import _timing
 from ._payload import make_payload, payload_bytes
 
 CONSUMERS: dict[str, Callable[[], list[Any]]] = {
     "none": lambda: [],
-    "live_statistics": lambda: [LiveStatistics()],
-    "live_statistics_compiled": lambda: [LiveStatistics(compile=True)],
+    "live_statistics": lambda: [LiveStatistics()],  # the default kernel: numba where installed
+    "live_statistics_eager": lambda: [LiveStatistics(kernel="eager")],
+    "live_statistics_compiled": lambda: [LiveStatistics(kernel="compile")],
     "retention": lambda: [Retention()],
     "all": lambda: [LiveStatistics(), Retention()],
 }
@@ -92,7 +93,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     device = torch.device(args.device)
     with torch.no_grad():
         cases = [run_case(w, device, args.steps, args.trials, args.seed) for w in args.worlds]
-    doc = {"benchmark": "capture", "device": str(device), "cases": cases, "machine": _timing.machine(),
+    doc = {"benchmark": "capture", "device": str(device), "cases": cases,
+           "live_statistics_kernel": "numba" if device.type == "cpu" and _kernels.available() else "eager",
+           "machine": _timing.machine(),
            "torch": torch.__version__, "versions": _timing.versions()}
     if args.json:
         _timing.print_json(doc)
@@ -100,6 +103,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         rows = [[c["worlds"], name, m["median"], m["min"], m["max"], c["ratio_to_memcpy"][name]]
                 for c in cases for name, m in c["step_ms"].items()]
         print(_timing.table(["worlds", "case", "step_ms", "min_ms", "max_ms", "x_memcpy"], rows))
+        print(f"live_statistics kernel: {doc['live_statistics_kernel']}")
     return 0
 
 

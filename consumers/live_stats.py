@@ -11,9 +11,12 @@ shift moves to their mean. The shift keeps the sums those of values near the dat
 large mean does not swamp a small variance; the running mean is kept as an offset from it.
 Nothing is read back to the host until :meth:`LiveStatistics.summary`.
 
-With ``LiveStatistics(compile=True)`` each dtype's fields are instead reduced by one function
-compiled with :func:`torch.compile`, which reads each field once (no concatenation) and writes
-its window row: one fused kernel per field on the CPU, about as many on CUDA.
+On the CPU, where numba is installed (``worldtap[fast]``), float32, float64 and bool fields
+are instead reduced by hand-written kernels (:mod:`consumers._kernels`) that read each field
+once and write its window row: no concatenation, no torch operation, one pass. With
+``LiveStatistics(kernel="compile")`` each dtype's fields are reduced by one function compiled
+with :func:`torch.compile`, which also reads each field once: one fused kernel per field on the
+CPU, about as many on CUDA.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from __future__ import annotations
 import itertools
 import math
 import types
+import typing
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -29,6 +33,8 @@ import numpy as np
 import torch
 
 from broker import Batch, Broker, EpisodeEnd, Message, Subscription
+
+from . import _kernels
 
 __all__ = ["FieldStatistics", "LiveStatistics", "LiveSummary"]
 
@@ -51,6 +57,12 @@ reduction over the outer dimension vectorizes along a wide inner one); the 16 pa
 per column are reduced when the window is merged."""
 
 Fused = Callable[[list[torch.Tensor], torch.Tensor, torch.dtype], torch.Tensor]
+
+KERNELS = ("auto", "eager", "numba", "compile")
+"""The reductions :class:`LiveStatistics` offers (its ``kernel`` argument)."""
+
+_NATIVE_DTYPES = frozenset({torch.float32, torch.float64})
+"""The field dtypes the numba kernel reduces (in their own dtype)."""
 
 
 def _moments(parts: list[torch.Tensor], shift: torch.Tensor, compute: torch.dtype) -> torch.Tensor:
@@ -76,7 +88,7 @@ def _moments(parts: list[torch.Tensor], shift: torch.Tensor, compute: torch.dtyp
     return torch.stack([torch.cat(s1), torch.cat(s2), torch.cat(lo), torch.cat(hi)])
 
 
-_CHUNK_ROWS = 16
+_CHUNK_ROWS = _kernels.CHUNK_ROWS
 
 
 def _compiled_moments() -> Fused:
@@ -150,19 +162,24 @@ class _Group:
     batch are reduced by that function straight from the fields, into one row, and the rows
     after them eagerly into the next; a batch of fewer than two chunks is reduced eagerly (so one
     compiled variant serves every size); ``split`` is then 1.
+
+    With ``native`` (a numba kernel, for bool, float32 or float64 fields on the CPU), the whole
+    batch is reduced field by field into one row, straight from the fields; ``split`` is then 1.
     """
 
-    __slots__ = ("buffer", "compiled", "compute", "exact", "filled", "fused", "index", "offset", "shift", "slots",
-                 "split", "window", "work")
+    __slots__ = ("buffer", "compiled", "compute", "exact", "filled", "fused", "index", "native", "offset", "shift",
+                 "slots", "split", "window", "work")
 
     def __init__(self, index: list[int], compute: torch.dtype, offset: torch.Tensor, exact: torch.Tensor,
-                 fused: Fused | None) -> None:
+                 fused: Fused | None, native: _kernels.Kernel | _kernels.Counter | None = None) -> None:
         self.index = index
         self.compute = compute
         self.offset = offset
         self.exact = exact
         self.fused = fused
-        self.compiled = fused is not None  # stays True if compiling fails: blocks stay whole batches
+        self.native = native
+        # stays True if compiling fails: blocks stay whole batches
+        self.compiled = fused is not None or native is not None
         self.buffer: torch.Tensor | None = None  # one block's concatenation, in the fields' dtype
         self.work: torch.Tensor | None = None    # its compute-dtype copy, when the dtypes differ
         self.shift: torch.Tensor | None = None  # repeated ``split`` times, for the wide view of a block
@@ -174,13 +191,15 @@ class _Group:
 
     def rows(self, first: torch.Tensor, n: int) -> int:
         """The rows of an eager block: ``_BLOCK_ROWS`` on the CPU, the whole batch on other
-        devices and for a compiled group."""
+        devices and for a compiled or native group."""
         if self.compiled or first.device.type != "cpu" or first.dtype == torch.bool:
             return n
         return min(n, _BLOCK_ROWS)
 
     def blocks(self, first: torch.Tensor, n: int) -> int:
         """The window rows a batch of ``n`` rows takes, at most."""
+        if self.native is not None:
+            return 1
         if self.compiled:  # the whole chunks, and the rows after them
             return 1 + bool(n % _CHUNK_ROWS)
         return -(-n // self.rows(first, n))
@@ -201,7 +220,9 @@ class _Group:
         if len(self.slots) < self.filled + blocks:
             self._window(max(_WINDOW_ROWS, blocks), first.device)
         row = self.filled
-        if first.dtype == torch.bool:
+        if self.native is not None:
+            self._native(parts, self.slots[row][0])
+        elif first.dtype == torch.bool:
             self._buffer(first, rows)
             assert self.buffer is not None
             x = torch.cat(parts, dim=1, out=self.buffer[:n])
@@ -234,13 +255,38 @@ class _Group:
             row = self.fused(chunks, self.shift, self.compute)
         except Exception as exc:  # the compiler's failures have no common type; the eager
             # path then reduces this batch, and raises itself if the batch is at fault
-            warnings.warn(f"LiveStatistics(compile=True): torch.compile failed on this machine "
+            warnings.warn(f"LiveStatistics(kernel='compile'): torch.compile failed on this machine "
                           f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); "
                           f"reducing without it", RuntimeWarning, stacklevel=2)
             self.fused = None
             return False
         out.copy_(row)
         return True
+
+    def _native(self, parts: list[torch.Tensor], out: torch.Tensor) -> None:
+        """Reduce a batch with the numba kernel into ``out`` (a ``[4, width]`` window row), one
+        call per field, on numpy views of the fields (no copy, unless a float field is not
+        contiguous: the kernel reads it as contiguous chunks of rows); bool fields are counted
+        into its first row."""
+        if parts[0].dtype == torch.bool:
+            count = typing.cast(_kernels.Counter, self.native)
+            row, start = out.numpy(), 0
+            for p in parts:
+                end = start + p.shape[1]
+                count(p.numpy().view(np.uint8), row[0, start:end])
+                start = end
+            return
+        native = typing.cast(_kernels.Kernel, self.native)
+        if self.shift is None:
+            self.shift = torch.cat([p[0] for p in parts]).to(self.compute)
+            self.exact.copy_(self.shift)
+        shift, row = self.shift.numpy(), out.numpy()
+        start = 0
+        for p in parts:
+            end = start + p.shape[1]
+            native(p.detach().contiguous().numpy(), shift[start:end], row[0, start:end], row[1, start:end],
+                   row[2, start:end], row[3, start:end])
+            start = end
 
     def _buffer(self, first: torch.Tensor, rows: int) -> None:
         if self.buffer is not None and self.buffer.shape[0] >= rows:
@@ -323,7 +369,7 @@ class _Plan:
 
     __slots__ = ("acc", "batch", "columns", "count", "exact", "groups", "pending", "rows")
 
-    def __init__(self, keys: list[str], tensors: Sequence[torch.Tensor], compiled: bool = False) -> None:
+    def __init__(self, keys: list[str], tensors: Sequence[torch.Tensor], kernel: str = "eager") -> None:
         by_dtype: dict[torch.dtype, list[int]] = {}
         for i, (key, t) in enumerate(zip(keys, tensors, strict=True)):
             _compute_dtype(key, t.dtype)
@@ -353,9 +399,17 @@ class _Plan:
         self.batch = torch.empty(4, start, dtype=f64, device=device)
         self.rows = (self.acc.unbind(0), self.batch.unbind(0))
         ends = [a for _, _, a in spans[1:]] + [start]
-        self.groups = [_Group(index, compute, self.acc[0, a:b], self.exact[a:b],
-                              _compiled_moments() if compiled and tensors[index[0]].dtype != torch.bool else None)
-                       for (compute, index, a), b in zip(spans, ends, strict=True)]
+        self.groups = []
+        for (compute, index, a), b in zip(spans, ends, strict=True):
+            dtype = tensors[index[0]].dtype
+            fused = _compiled_moments() if kernel == "compile" and dtype != torch.bool else None
+            native: _kernels.Kernel | _kernels.Counter | None = None
+            if kernel in ("auto", "numba") and device.type == "cpu" and _kernels.available():
+                if dtype == torch.bool:
+                    native = _kernels.counts()
+                elif dtype in _NATIVE_DTYPES:
+                    native = _kernels.moments()
+            self.groups.append(_Group(index, compute, self.acc[0, a:b], self.exact[a:b], fused, native))
 
     def update(self, tensors: Sequence[torch.Tensor], n: int) -> None:
         """Reduce one batch of ``n`` rows into the groups' windows (no host synchronization)."""
@@ -439,33 +493,49 @@ class LiveStatistics:
     recent mean before they are summed, so a mean far from zero does not cost the variance its
     precision. Min and max are exact. ``summary()`` reads the accumulators back to the host.
 
-    With ``compile=True`` each dtype's fields are reduced by a function compiled with
-    :func:`torch.compile`, which reads each field once instead of in several passes (at 4096
-    worlds of the benchmark payload on the CPU, about half the eager cost). The
-    first batch of each field layout then waits for the compilation (seconds); the compiled
-    function serves every later batch size (batches of fewer than 32 worlds are reduced
-    eagerly, rather than compiled for). Where torch.compile cannot compile (no C++ compiler for the CPU,
-    no Triton for CUDA), a ``RuntimeWarning`` says so and the consumer reduces eagerly.
+    The reduction (``kernel``):
+
+    - ``"auto"`` (the default): ``"numba"`` where numba is installed, else ``"eager"``.
+    - ``"eager"``: a handful of torch operations per dtype and batch (above).
+    - ``"numba"``: float32, float64 and bool fields on the CPU are reduced by hand-written
+      kernels that read each field once (at 4096 worlds of the benchmark payload, about 1.3x a
+      memcpy of the batch); other fields as ``"eager"``. The first batch compiles the kernel (under a second;
+      cached on disk). Needs ``pip install 'worldtap[fast]'``.
+    - ``"compile"``: each dtype's fields are reduced by a function compiled with
+      :func:`torch.compile`, which reads each field once, on any device. The first batch of each
+      field layout waits for the compilation (seconds); the compiled function serves every later
+      batch size (batches of fewer than 32 worlds are reduced eagerly, rather than compiled for).
+      Where torch.compile cannot compile (no C++ compiler for the CPU, no Triton for CUDA), a
+      ``RuntimeWarning`` says so and the consumer reduces eagerly.
+
+    Every kernel gives the same counts, minima and maxima, and means and standard deviations
+    within the same bounds of float64 references.
 
     Args:
         fields: Only these ``"<term>/<field>"`` names (all when ``None``).
         every: Reduce one batch in ``every`` per topic (subsampling bounds the cost).
-        compile: Reduce with a compiled function (above); off by default.
+        kernel: One of :data:`KERNELS` (above).
 
     Raises:
-        ValueError: ``every`` is not a positive int; on a batch, a field's per-world shape
-            differs from the one seen before, or the chosen fields are on different devices.
+        ValueError: ``every`` is not a positive int or ``kernel`` is not one of
+            :data:`KERNELS`; on a batch, a field's per-world shape differs from the one seen
+            before, or the chosen fields are on different devices.
+        ImportError: ``kernel="numba"`` and numba is not installed.
         TypeError: On a batch, a chosen field is complex or of another non-real dtype.
     """
 
     name = "live-statistics"
 
-    def __init__(self, *, fields: Sequence[str] | None = None, every: int = 1, compile: bool = False) -> None:
+    def __init__(self, *, fields: Sequence[str] | None = None, every: int = 1, kernel: str = "auto") -> None:
         if every < 1:
             raise ValueError(f"every: expected a positive int, got {every!r}")
+        if kernel not in KERNELS:
+            raise ValueError(f"kernel: expected one of {', '.join(map(repr, KERNELS))}, got {kernel!r}")
+        if kernel == "numba" and not _kernels.available():
+            raise ImportError("LiveStatistics(kernel='numba') needs numba: pip install 'worldtap[fast]'")
         self.fields = None if fields is None else frozenset(fields)
         self.every = every
-        self.compile = compile
+        self.kernel = kernel
         self._plans: dict[tuple[object, ...], _Plan] = {}
         self._shapes: dict[str, tuple[int, ...]] = {}
         self._seen: dict[str, int] = {}
@@ -517,7 +587,7 @@ class LiveStatistics:
             if self._shapes.get(key, shape) != shape:
                 raise ValueError(f"field {key!r}: per-world shape {shape} differs from "
                                  f"{self._shapes[key]} seen before")
-        plan = _Plan(keys, tensors, self.compile)
+        plan = _Plan(keys, tensors, self.kernel)
         for key, t in zip(keys, tensors, strict=True):
             self._shapes[key] = tuple(t.shape[1:])
         return plan

@@ -8,9 +8,9 @@ Error bounds asserted (the reference is numpy float64 over every published value
   1e-12 standard deviations, standard deviation within a relative 1e-12;
 * min and max: exact; counts exact.
 
-The same bounds hold for ``LiveStatistics(compile=True)`` (the tests marked with both modes):
-its compiled sums are of chunks of 16 rows in float32 (a sequential sum, at most 16 roundings),
-then of the chunks in float64.
+The same bounds hold for ``kernel="numba"`` and ``kernel="compile"`` (the tests marked with
+every mode): their sums are of chunks of 16 rows in float32 (a sequential sum, at most 16
+roundings), then of the chunks in float64.
 
 Why these bounds hold: values are summed only after a shift by a recent mean (an exact
 subtraction for values within a factor of two of it), so the float32 sums are of numbers of the
@@ -41,9 +41,9 @@ def batch(fields: Mapping[str, torch.Tensor], seq: int = 0, topic: str = "batch/
     return Batch("run", seq, seq, topic, torch.arange(n), torch.zeros(n, dtype=torch.int64), fields)
 
 
-MODES = pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
-"""The tests run with both reductions: eager torch operations, and a function compiled with
-torch.compile (``LiveStatistics(compile=True)``)."""
+MODES = pytest.mark.parametrize("kernel", ["eager", "numba", "compile"])
+"""The tests run with every reduction: eager torch operations, the numba kernel, and a function
+compiled with torch.compile."""
 
 
 def assert_matches(got: FieldStatistics, rows: np.ndarray, bounds: tuple[float, float], name: str = "") -> None:
@@ -75,7 +75,7 @@ def assert_same_counts_and_extremes(got: LiveSummary, ref: LiveSummary) -> None:
 
 
 @MODES
-def test_large_means_and_small_variances_over_ten_thousand_steps(compiled: bool) -> None:
+def test_large_means_and_small_variances_over_ten_thousand_steps(kernel: str) -> None:
     # Means up to 3e5 standard deviations away from zero break a float32 sum of squares
     # (relative error ~ 6e-8 * (mean / std)**2); the last column drifts by one standard
     # deviation a step, 1e4 in all.
@@ -86,7 +86,7 @@ def test_large_means_and_small_variances_over_ten_thousand_steps(compiled: bool)
     data = rng.standard_normal((steps, worlds, 6)) * std + mean
     data[:, :, 5] += np.arange(steps)[:, None]
     data = data.astype(np.float32)
-    stats = LiveStatistics(compile=compiled)
+    stats = LiveStatistics(kernel=kernel)
     for step in range(steps):
         stats(batch({"x": torch.from_numpy(data[step])}, step))
     got = stats.summary().fields["t/x"]
@@ -97,7 +97,7 @@ def test_large_means_and_small_variances_over_ten_thousand_steps(compiled: bool)
 
 
 @MODES
-def test_every_real_dtype_recorded_with_partial_steps_matches_numpy(compiled: bool) -> None:
+def test_every_real_dtype_recorded_with_partial_steps_matches_numpy(kernel: str) -> None:
     num_worlds, steps = 12, 300
     gen = torch.Generator().manual_seed(5)
     make = {
@@ -115,7 +115,7 @@ def test_every_real_dtype_recorded_with_partial_steps_matches_numpy(compiled: bo
     }
     float64_reduced = {"i32", "i64", "f64"}
     broker = Broker(strict=True)
-    stats = LiveStatistics(compile=compiled)
+    stats = LiveStatistics(kernel=kernel)
     stats.attach(broker)
     published: dict[str, list[np.ndarray]] = {name: [] for name in make}
 
@@ -144,11 +144,11 @@ def test_every_real_dtype_recorded_with_partial_steps_matches_numpy(compiled: bo
 
 
 @MODES
-def test_large_batches_of_any_row_count_reduce_exactly(compiled: bool) -> None:
+def test_large_batches_of_any_row_count_reduce_exactly(kernel: str) -> None:
     # On the CPU, min and max of a large batch are taken in two stages over a regrouped view;
     # row counts with and without a large power-of-two factor take different paths.
     gen = torch.Generator().manual_seed(2)
-    stats = LiveStatistics(compile=compiled)
+    stats = LiveStatistics(kernel=kernel)
     rows: dict[str, list[np.ndarray]] = {"t/x": [], "t/i": [], "t/flag": [], "t/flags": []}
     for step, n in enumerate([4096, 768, 272, 4095, 256, 8192]):
         fields = {"x": torch.randn(n, 5, generator=gen) * torch.arange(1.0, 6.0) + 100,
@@ -217,7 +217,7 @@ def test_fields_that_require_grad_are_reduced_without_a_graph() -> None:
 
 
 @MODES
-def test_half_bfloat16_and_integer_fields_over_ten_thousand_steps(compiled: bool) -> None:
+def test_half_bfloat16_and_integer_fields_over_ten_thousand_steps(kernel: str) -> None:
     # Means far from zero with small spreads, in every dtype reduced through a float32 or
     # float64 copy; 10,000 batches go through about 150 windows and merges.
     steps, worlds = 10_000, 8
@@ -236,7 +236,7 @@ def test_half_bfloat16_and_integer_fields_over_ten_thousand_steps(compiled: bool
         "i32": torch.from_numpy(rng.integers(2**31 - 1000, 2**31 - 1, (steps, worlds), dtype=np.int32)),
         "i64": torch.from_numpy(rng.integers(10**15, 10**15 + 7, (steps, worlds), dtype=np.int64)),
     }
-    stats = LiveStatistics(compile=compiled)
+    stats = LiveStatistics(kernel=kernel)
     for step in range(steps):
         stats(batch({name: t[step] for name, t in data.items()}, step))
     summary = stats.summary()

@@ -1,4 +1,4 @@
-"""LiveStatistics(compile=True): one compiled function per dtype of a layout serves every batch
+"""LiveStatistics(kernel="compile"): one compiled function per dtype of a layout serves every batch
 size, leaves the published tensors as they were, and a machine that cannot compile falls back to
 the eager reduction with one warning. Its accuracy is tested with the eager mode's, in
 test_live_stats_accuracy.py (the tests run in both modes)."""
@@ -52,7 +52,7 @@ def test_one_compiled_function_per_dtype_serves_every_batch_size() -> None:
     # change of this one's and compiled the functions again (8 graphs for these batches).
     data = steps([64, 64, 3, 1, 64, 17, 2, 4096, 16, 31, 32, 33, 64, 4095])
     before = counters["stats"]["unique_graphs"]
-    stats = LiveStatistics(compile=True)
+    stats = LiveStatistics(kernel="compile")
     for i, fields in enumerate(data):
         stats(batch(fields, i))
     assert counters["stats"]["unique_graphs"] - before == 4
@@ -64,7 +64,7 @@ def test_one_compiled_function_per_dtype_serves_every_batch_size() -> None:
 
 def test_compiled_and_eager_reductions_agree() -> None:
     data = steps([300, 1, 2, 511, 300] * 3, seed=1)
-    eager, compiled = LiveStatistics(), LiveStatistics(compile=True)
+    eager, compiled = LiveStatistics(), LiveStatistics(kernel="compile")
     for i, fields in enumerate(data):
         eager(batch(fields, i))
         compiled(batch(fields, i))
@@ -86,7 +86,7 @@ def test_a_machine_that_cannot_compile_warns_once_and_reduces_eagerly(monkeypatc
 
     monkeypatch.setattr(live_stats, "_compiled_moments", lambda: broken)
     data = steps([40, 40, 7, 40], seed=2)
-    stats = LiveStatistics(compile=True)
+    stats = LiveStatistics(kernel="compile")
     with pytest.warns(RuntimeWarning, match=r"torch.compile failed .*cc is not found.*reducing without it") as seen:
         stats(batch(data[0], 0))
     assert len(seen) == 4  # once for each of the four groups that would be compiled
@@ -99,7 +99,7 @@ def test_a_machine_that_cannot_compile_warns_once_and_reduces_eagerly(monkeypatc
 @pytest.mark.cuda
 def test_compiled_on_cuda_gives_what_the_cpu_gives() -> None:
     data = steps([4096, 33, 4096, 1, 512, 4096] * 3, seed=3)
-    cpu, cuda = LiveStatistics(compile=True), LiveStatistics(compile=True)
+    cpu, cuda = LiveStatistics(kernel="compile"), LiveStatistics(kernel="compile")
     for i, fields in enumerate(data):
         cpu(batch(fields, i))
         cuda(batch({k: v.cuda() for k, v in fields.items()}, i))

@@ -44,8 +44,8 @@ def floats(fields: int, worlds: int, device: str = "cpu", seed: int = 0) -> dict
     return {k: v for k, v in payload(fields, worlds, device, seed).items() if k.startswith("x")}
 
 
-def steady_ops(fields: int, worlds: int) -> list[str]:
-    stats = LiveStatistics()
+def steady_ops(fields: int, worlds: int, kernel: str = "eager") -> list[str]:
+    stats = LiveStatistics(kernel=kernel)
     first, second, third = (batch(payload(fields, worlds, seed=i), i) for i in range(3))
     stats(first)  # the first batch of a layout sets it up
     stats(second)
@@ -65,19 +65,27 @@ def test_tensor_ops_per_batch_do_not_grow_with_the_number_of_fields(worlds: int)
     assert not SYNCING_OPS & set(few)  # nothing reads a value back to the host
 
 
-def test_windows_merge_every_so_many_blocks_and_on_read() -> None:
-    # The accumulators change only when a window is merged: after 64 blocks (16 batches of 4
-    # blocks, 64 of one block) or when read; every row is counted exactly once either way.
-    stats = LiveStatistics()
+@pytest.mark.parametrize("worlds", [8, 4096, 9000])
+def test_the_numba_kernels_leave_no_tensor_operations_to_a_batch(worlds: int) -> None:
+    # floats and bools alike are reduced by the kernels, straight from the fields
+    assert steady_ops(4, worlds, "numba") == steady_ops(40, worlds, "numba") == []
+
+
+@pytest.mark.parametrize(("kernel", "steps", "merged"), [("eager", 40, [16, 32]), ("numba", 70, [64])])
+def test_windows_merge_every_so_many_blocks_and_on_read(kernel: str, steps: int, merged: list[int]) -> None:
+    # The accumulators change only when a window is merged: after 64 window rows or when read;
+    # every row is counted exactly once either way. Eager, a batch of 4 blocks takes 4 rows
+    # (a merge every 16 batches); the numba kernel reduces a whole batch into one row.
+    stats = LiveStatistics(kernel=kernel)
     merges = []
     rows = 4 * _BLOCK_ROWS
-    for step in range(40):
+    for step in range(steps):
         with OpLog() as log:
             stats(batch(floats(3, rows, seed=step), step))
         merges.append("aten.addcmul_.default" in log.ops)
-    assert [i for i, m in enumerate(merges) if m] == [16, 32]
-    assert stats.summary().fields["t/x0"].count == 40 * rows
-    assert stats.summary().fields["t/x0"].count == 40 * rows  # a second read merges nothing
+    assert [i for i, m in enumerate(merges) if m] == merged
+    assert stats.summary().fields["t/x0"].count == steps * rows
+    assert stats.summary().fields["t/x0"].count == steps * rows  # a second read merges nothing
 
 
 def test_summary_reads_each_layout_back_once() -> None:

@@ -1,0 +1,159 @@
+"""A hand-written CPU reduction for :class:`~consumers.LiveStatistics`, compiled by numba.
+
+numba is optional (``pip install 'worldtap[fast]'``): :func:`available` says whether it
+imports, and :func:`moments` compiles the kernel at its first call (under a second, cached on
+disk where numba can write its cache).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+__all__ = ["CHUNK_ROWS", "available", "counts", "moments"]
+
+CHUNK_ROWS = 16
+"""Rows summed in the compute dtype before their sums are added to float64 totals: a float32
+chunk sum has at most 16 roundings, a relative error below ``16 * 2**-24``."""
+
+Kernel = Callable[[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray], None]
+Counter = Callable[[np.ndarray, np.ndarray], None]
+
+_compiled: Kernel | None = None
+_counter: Counter | None = None
+_importable: bool | None = None
+
+
+def available() -> bool:
+    """Whether numba is installed and imports here (it is imported once, at the first call)."""
+    global _importable
+    if _importable is None:
+        try:
+            import numba  # noqa: F401
+        except ImportError:
+            _importable = False
+        else:
+            _importable = True
+    return _importable
+
+
+def _moments(x: Any, shift: Any, s1: Any, s2: Any, lo: Any, hi: Any) -> None:  # pragma: no cover (compiled)
+    """One pass over ``x`` (``[rows, columns]``, C-contiguous, rows >= 1): per column the sum of
+    ``x - shift``, the sum of its squares, the minimum and the maximum, written to ``s1``, ``s2``,
+    ``lo`` and ``hi``. A NaN anywhere in a column makes its minimum and maximum NaN, as
+    :func:`torch.amin` and :func:`torch.amax` do.
+
+    The rows are read ``CHUNK_ROWS`` at a time as one wide row of ``CHUNK_ROWS * columns``
+    contiguous values, so the inner loop is long and vectorizes whatever the field's width (a
+    loop over a narrow row spends its time in its scalar remainder); each of the wide row's
+    values has its own accumulators, and the ``CHUNK_ROWS`` accumulators of a column are added
+    at the end. Sums are taken over ``CHUNK_ROWS`` wide rows in the compute dtype (``shift``'s),
+    then in float64. The minimum and the maximum are selections (``v < m``), which vectorize
+    but pass over a NaN; a column whose sum is not finite is searched for NaN at the end.
+    """
+    n, w = x.shape
+    groups = n // CHUNK_ROWS
+    width = CHUNK_ROWS * w
+    wide = x[:groups * CHUNK_ROWS].reshape(groups, width)
+    first = x[0]
+    sh = np.empty(width, shift.dtype)
+    a = np.empty(width, x.dtype)
+    b = np.empty(width, x.dtype)
+    for k in range(CHUNK_ROWS):
+        sh[k * w:(k + 1) * w] = shift
+        a[k * w:(k + 1) * w] = first
+        b[k * w:(k + 1) * w] = first
+    c1 = np.zeros(width, shift.dtype)
+    c2 = np.zeros(width, shift.dtype)
+    t1 = np.zeros(width, np.float64)
+    t2 = np.zeros(width, np.float64)
+    for g0 in range(0, groups, CHUNK_ROWS):
+        for g in range(g0, min(g0 + CHUNK_ROWS, groups)):
+            row = wide[g]
+            for j in range(width):
+                v = row[j]
+                d = v - sh[j]
+                c1[j] += d
+                c2[j] += d * d
+                m = a[j]
+                a[j] = v if v < m else m
+                m = b[j]
+                b[j] = v if v > m else m
+        for j in range(width):
+            t1[j] += c1[j]
+            t2[j] += c2[j]
+            c1[j] = 0
+            c2[j] = 0
+    for j in range(w):
+        u1 = 0.0
+        u2 = 0.0
+        p = first[j]
+        q = first[j]
+        for k in range(CHUNK_ROWS):
+            u1 += t1[k * w + j]
+            u2 += t2[k * w + j]
+            m = a[k * w + j]
+            p = m if m < p else p
+            m = b[k * w + j]
+            q = m if m > q else q
+        for r in range(groups * CHUNK_ROWS, n):  # the rows after the whole chunks
+            v = x[r, j]
+            d = v - shift[j]
+            u1 += d
+            u2 += d * d
+            p = v if v < p else p
+            q = v if v > q else q
+        s1[j] = u1
+        s2[j] = u2
+        lo[j] = p
+        hi[j] = q
+        if not np.isfinite(u1):  # a NaN or an infinity in the column: is there a NaN?
+            for r in range(n):
+                if np.isnan(x[r, j]):
+                    lo[j] = np.nan
+                    hi[j] = np.nan
+                    break
+
+
+def _counts(x: Any, out: Any) -> None:  # pragma: no cover (compiled)
+    """Per column of ``x`` (``[rows, columns]`` of 0 and 1, a bool field viewed as uint8), the
+    number of ones, written to ``out``."""
+    n, w = x.shape
+    t = np.zeros(w, np.int64)
+    for r in range(n):
+        for j in range(w):
+            t[j] += x[r, j]
+    for j in range(w):
+        out[j] = t[j]
+
+
+def counts() -> Counter:
+    """The compiled count of a bool field's true values per column (as :func:`moments`).
+
+    Raises:
+        ImportError: numba is not installed.
+    """
+    global _counter
+    if _counter is None:
+        import numba
+
+        _counter = numba.njit(nogil=True, cache=True, boundscheck=False)(_counts)
+    return _counter
+
+
+def moments() -> Kernel:
+    """The compiled kernel (compiled once per process; each new dtype or memory layout of its
+    arguments compiles a variant at its first call).
+
+    Raises:
+        ImportError: numba is not installed.
+    """
+    global _compiled
+    if _compiled is None:
+        import numba
+
+        # No fastmath: it would let the compiler drop the NaN tests of the minimum and maximum.
+        _compiled = numba.njit(nogil=True, cache=True, boundscheck=False)(_moments)
+    return _compiled

@@ -1,0 +1,113 @@
+"""LiveStatistics' kernels agree on what is hard to get right in a hand-written loop: NaN and
+infinities in the minima and maxima, fields that are strided views, expanded or require grad,
+float64 fields; the published tensors stay as they were; and the ``kernel`` argument is checked.
+Their accuracy over long runs is tested in test_live_stats_accuracy.py (every kernel)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from test_live_stats_accuracy import FLOAT32_BOUNDS, FLOAT64_BOUNDS, assert_matches, batch
+from test_live_stats_ops import steady_ops
+
+from consumers import LiveStatistics, _kernels
+
+KERNELS = pytest.mark.parametrize("kernel", ["eager", "numba", "compile"])
+
+
+def odd_values(n: int, seed: int) -> torch.Tensor:
+    """``[n, 6]`` float32: a NaN in column 0 of one row, +inf and -inf in columns 1 and 2, a
+    column of both infinities, a constant column, and an ordinary one."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 6, generator=gen) + 50
+    x[n // 2, 0] = float("nan")
+    x[n // 3, 1] = float("inf")
+    x[n // 4, 2] = float("-inf")
+    x[0, 3], x[-1, 3] = float("inf"), float("-inf")
+    x[:, 4] = 7.25
+    return x
+
+
+@KERNELS
+def test_nan_and_infinities_give_the_minima_and_maxima_numpy_gives(kernel: str) -> None:
+    # A loop's minimum that tests `v < m` alone drops a NaN (and, compiled with fastmath, the
+    # compiler may drop the NaN test itself); torch.amin and numpy propagate it.
+    stats = LiveStatistics(kernel=kernel)
+    rows = []
+    for step, n in enumerate([64, 4096, 40, 1]):
+        x = odd_values(n, step) if n > 1 else torch.full((1, 6), 3.0)
+        stats(batch({"x": x}, step))
+        rows.append(x.double().numpy())
+    got = stats.summary().fields["t/x"]
+    every = np.concatenate(rows)
+    np.testing.assert_array_equal(got.min, every.min(0))
+    np.testing.assert_array_equal(got.max, every.max(0))
+    assert np.isnan(got.min[0])
+    assert np.isnan(got.max[0])
+    assert got.count == every.shape[0]
+    # the columns without NaN or infinity: the usual bounds
+    assert_matches(type(got)(got.count, got.mean[4:], got.std[4:], got.min[4:], got.max[4:]),
+                   every[:, 4:], FLOAT32_BOUNDS)
+    assert np.isnan(got.mean[0])
+    assert np.isnan(got.std[0])
+
+
+@pytest.mark.parametrize("kernel", ["eager", "numba"])
+def test_a_nan_in_any_row_of_a_batch_makes_its_column_minimum_and_maximum_nan(kernel: str) -> None:
+    # The numba kernel reads whole chunks of 16 rows as wide rows, then the rows after them,
+    # and searches a column for NaN only when its sum is not finite: a NaN in the first row,
+    # in a chunk, or in the rows after the chunks; columns beside it stay exact.
+    for n in (1, 17, 40, 300):
+        for row in sorted({0, n // 2, n - 1}):
+            x = torch.randn(n, 5, generator=torch.Generator().manual_seed(n + row)) * 4 + 9
+            x[row, 2] = float("nan")
+            stats = LiveStatistics(kernel=kernel)
+            stats(batch({"x": x}))
+            got = stats.summary().fields["t/x"]
+            want_lo, want_hi = x.double().numpy().min(0), x.double().numpy().max(0)
+            np.testing.assert_array_equal(got.min, want_lo, err_msg=f"{n} rows, NaN in row {row}")
+            np.testing.assert_array_equal(got.max, want_hi, err_msg=f"{n} rows, NaN in row {row}")
+
+
+@KERNELS
+def test_strided_expanded_grad_and_float64_fields_match_numpy_and_stay_unchanged(kernel: str) -> None:
+    gen = torch.Generator().manual_seed(5)
+    stats = LiveStatistics(kernel=kernel)
+    published: dict[str, list[np.ndarray]] = {}
+    for step, n in enumerate([4096, 100, 4096, 33]):
+        wide = torch.randn(n, 8, generator=gen) * 2 + 1e3
+        base = torch.randn(7, n, generator=gen, dtype=torch.float64) - 40
+        fields = {
+            "strided": wide[:, ::2],                                  # every other column
+            "transposed": base.T,                                      # float64, column-major
+            "expanded": torch.randn(1, 3, generator=gen).expand(n, 3),  # one row, stride 0
+            "grad": torch.randn(n, 2, generator=gen).requires_grad_(),
+            "nested": torch.randn(n, 2, 3, generator=gen)[:, :, 1:],   # 3-D, not contiguous
+        }
+        before = {k: v.detach().clone() for k, v in fields.items()}
+        stats(batch(fields, step))
+        for k, v in fields.items():
+            assert torch.equal(v.detach(), before[k]), k  # read, never written
+            published.setdefault(k, []).append(v.detach().double().numpy())
+    summary = stats.summary()
+    for key, parts in published.items():
+        bounds = FLOAT64_BOUNDS if key == "transposed" else FLOAT32_BOUNDS
+        assert_matches(summary.fields[f"t/{key}"], np.concatenate(parts), bounds, key)
+
+
+def test_the_kernel_argument_is_checked() -> None:
+    with pytest.raises(ValueError, match=r"kernel: expected one of 'auto', 'eager', 'numba', 'compile', got 'fast'"):
+        LiveStatistics(kernel="fast")
+
+
+def test_without_numba_the_numba_kernel_is_refused_and_auto_reduces_eagerly(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_kernels, "_importable", False)
+    with pytest.raises(ImportError, match=r"needs numba: pip install 'worldtap\[fast\]'"):
+        LiveStatistics(kernel="numba")
+    assert steady_ops(4, 4096, "auto") == steady_ops(4, 4096, "eager")
+
+
+def test_with_numba_auto_uses_it() -> None:
+    assert _kernels.available()  # the dev install has it: the numba tests above must not be eager twins
+    assert steady_ops(4, 4096, "auto") == steady_ops(4, 4096, "numba") != steady_ops(4, 4096, "eager")
