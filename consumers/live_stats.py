@@ -498,9 +498,9 @@ class LiveStatistics:
     - ``"auto"`` (the default): ``"numba"`` where numba is installed, else ``"eager"``.
     - ``"eager"``: a handful of torch operations per dtype and batch (above).
     - ``"numba"``: float32, float64 and bool fields on the CPU are reduced by hand-written
-      kernels that read each field once (at 4096 worlds of the benchmark payload, about 1.3x a
-      memcpy of the batch); other fields as ``"eager"``. The first batch compiles the kernel (under a second;
-      cached on disk). Needs ``pip install 'worldtap[fast]'``.
+      kernels that read each field once (at 4096 worlds of the benchmark payload, about 1.5x a
+      one-thread memcpy of the batch); other fields as ``"eager"``. The first batch compiles
+      the kernels (under a second; cached on disk). Needs ``pip install 'worldtap[fast]'``.
     - ``"compile"``: each dtype's fields are reduced by a function compiled with
       :func:`torch.compile`, which reads each field once, on any device. The first batch of each
       field layout waits for the compilation (seconds); the compiled function serves every later
