@@ -1,8 +1,9 @@
-"""A hand-written CPU reduction for :class:`~consumers.LiveStatistics`, compiled by numba.
+"""Hand-written CPU reductions for :class:`~consumers.LiveStatistics`, compiled by numba: the
+moments of a float field (:func:`moments`) and the count of a bool field (:func:`counts`).
 
 numba is optional (``pip install 'worldtap[fast]'``): :func:`available` says whether it
-imports, and :func:`moments` compiles the kernel at its first call (under a second, cached on
-disk where numba can write its cache).
+imports; each kernel is compiled at its first use (under a second, cached on disk where numba
+can write its cache).
 """
 
 from __future__ import annotations
@@ -15,8 +16,9 @@ import numpy as np
 __all__ = ["CHUNK_ROWS", "available", "counts", "moments"]
 
 CHUNK_ROWS = 16
-"""Rows summed in the compute dtype before their sums are added to float64 totals: a float32
-chunk sum has at most 16 roundings, a relative error below ``16 * 2**-24``."""
+"""Rows read as one wide row, and values each accumulator sums in the compute dtype before its
+sum is added to a float64 total: a float32 chunk sum has at most 16 roundings, a relative error
+below ``16 * 2**-24``."""
 
 Kernel = Callable[[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray], None]
 Counter = Callable[[np.ndarray, np.ndarray], None]
