@@ -654,9 +654,9 @@ def decode_envelope(
 
 
 def _decode(frames: Sequence[Any], max_header_size: int, max_message_size: int,
-            build: Callable[[str, str, str, tuple[int, ...], Any, memoryview], A]) -> Decoded[A]:
-    """:func:`decode_envelope` with ``build`` making each tensor from its checked spec, its frame
-    and a byte view of that frame."""
+            build: Callable[[str, str, str, tuple[int, ...], np.ndarray], A]) -> Decoded[A]:
+    """:func:`decode_envelope` with ``build`` making each tensor from its checked spec and its
+    bytes (a uint8 array of exactly the spec's size, over the received frame)."""
     if len(frames) < 2:
         raise _fail("missing frames", f"expected at least 2 frames (topic, header), got {len(frames)}")
     views = [memoryview(f).cast("B") for f in frames]
@@ -686,9 +686,14 @@ def _decode(frames: Sequence[Any], max_header_size: int, max_message_size: int,
     else:
         items, end = _layout(topic, kind, head["v"], own_specs, field_specs)
         known = None
+    # A read-only frame (bytes) is copied once for torch, which cannot own read-only memory.
+    copy = build is _tensor
     if head["v"] == 1:
         _count_frames(topic, payload, len(items), "tensor frames")
-        located = [(frames[2 + f], payload[f]) for _, _, _, _, f, _ in items]
+        raws = []
+        for _, name, dtype, shape, f, _ in items:
+            _check_size(topic, name, dtype, shape, payload[f].nbytes)
+            raws.append(_bytes(payload[f], copy))
     elif items:
         _count_frames(topic, payload, 1, "data frame (protocol 2)")
         data = payload[0]
@@ -696,14 +701,16 @@ def _decode(frames: Sequence[Any], max_header_size: int, max_message_size: int,
             raise _fail("shape", f"topic {topic!r}: the data frame has {data.nbytes} bytes, its "
                                  f"{len(items)} tensors need {end} (protocol 2: each at a "
                                  f"{ALIGN}-byte aligned offset)")
-        located = [(v, v) for v in (data[o:o + nb] for _, _, _, _, o, nb in items)]
+        # one array over the frame, sliced per tensor (the layout gave each its exact size)
+        base = _bytes(data, copy)
+        raws = [base[o:o + nb] for _, _, _, _, o, nb in items]
     else:
         _count_frames(topic, payload, 0, "data frames (protocol 2)")
-        located = []
+        raws = []
     own: dict[str, A] = {}
     fields: dict[str, A] = {}
-    for (is_own, name, dtype, shape, _, _), (frame, view) in zip(items, located, strict=True):
-        (own if is_own else fields)[name] = build(topic, name, dtype, shape, frame, view)
+    for (is_own, name, dtype, shape, _, _), raw in zip(items, raws, strict=True):
+        (own if is_own else fields)[name] = build(topic, name, dtype, shape, raw)
     if len(fields) != len(field_specs):
         raise _fail("schema", f"topic {topic!r}: duplicate {_NAMED[kind]} names "
                               f"{shown([s[0] for s in field_specs])}")
@@ -860,48 +867,55 @@ def _check_specs(topic: str, key: str, entries: Any, limit: int) -> list[TensorS
     return out
 
 
-def _check_frame(topic: str, name: str, dtype_name: str, shape: tuple[int, ...], view: memoryview) -> int:
-    """The bytes of a tensor of ``dtype_name`` and ``shape``, once checked against its frame.
+def _check_size(topic: str, name: str, dtype_name: str, shape: tuple[int, ...], nbytes: int) -> None:
+    """Check a protocol 1 frame of ``nbytes`` against its tensor's spec.
 
     Raises:
-        WireFormatError: (``"shape"``) the frame has another size; (``"value"``) a bool frame
-            holds bytes other than 0 and 1.
+        WireFormatError: (``"shape"``) the frame has another size.
     """
     expected = math.prod(shape) * NUMPY_DTYPES[dtype_name].itemsize
-    if expected != view.nbytes:
+    if expected != nbytes:
         raise _fail("shape", f"topic {topic!r} tensor {name!r}: shape {list(shape)} of {dtype_name} "
-                             f"needs {expected} bytes, frame has {view.nbytes}")
-    if expected and dtype_name == "bool" and int(np.frombuffer(view, dtype=np.uint8).max()) > 1:
+                             f"needs {expected} bytes, frame has {nbytes}")
+
+
+def _bytes(view: memoryview, copy: bool) -> np.ndarray:
+    """A uint8 array over ``view`` (which it keeps alive); over a copy when ``view`` is
+    read-only and ``copy``."""
+    return np.frombuffer(bytearray(view) if copy and view.readonly else view, dtype=np.uint8)
+
+
+def _view(topic: str, name: str, dtype_name: str, shape: tuple[int, ...], raw: np.ndarray,
+          dtype: np.dtype[Any]) -> np.ndarray:
+    """``raw`` (a tensor's bytes, of the size its spec needs) as an array of ``dtype`` (numpy's
+    for ``dtype_name``, or its bits) and ``shape``.
+
+    Raises:
+        WireFormatError: (``"value"``) a bool tensor holds bytes other than 0 and 1.
+    """
+    if not raw.size:
+        return np.empty(shape, dtype)
+    if dtype_name == "bool" and int(raw.max()) > 1:
         raise _fail("value", f"topic {topic!r} tensor {name!r}: bool frame holds bytes other than 0 and 1")
-    return expected
+    array = raw.view(dtype).reshape(shape)
+    if not array.flags.aligned:  # tiny frames may sit unaligned inside the message
+        array = array.copy()
+    return array
 
 
-def _array(topic: str, name: str, dtype_name: str, shape: tuple[int, ...], frame: Any,
-           view: memoryview) -> np.ndarray:
-    """A numpy array over ``view`` (``frame``'s bytes), see :func:`decode`."""
-    dtype = NUMPY_DTYPES[dtype_name]
-    if _check_frame(topic, name, dtype_name, shape, view) == 0:
-        array = np.empty(shape, dtype)
-    else:
-        array = np.frombuffer(view, dtype=dtype).reshape(shape)
-        if not array.flags.aligned:  # tiny frames may sit unaligned inside the message
-            array = array.copy()
+def _array(topic: str, name: str, dtype_name: str, shape: tuple[int, ...], raw: np.ndarray) -> np.ndarray:
+    """A numpy array over ``raw`` (see :func:`decode`)."""
+    array = _view(topic, name, dtype_name, shape, raw, NUMPY_DTYPES[dtype_name])
     return array.view(BFloat16Bits) if dtype_name == "bfloat16" else array
 
 
-def _tensor(topic: str, name: str, dtype_name: str, shape: tuple[int, ...], frame: Any,
-            view: memoryview) -> torch.Tensor:
-    """A torch tensor over ``frame`` (or a copy of ``view`` when it is read-only)."""
+def _tensor(topic: str, name: str, dtype_name: str, shape: tuple[int, ...], raw: np.ndarray) -> torch.Tensor:
+    """A torch tensor over ``raw`` (writable: a read-only frame was copied)."""
     import torch
 
-    dtype = DTYPES[dtype_name]
-    if _check_frame(topic, name, dtype_name, shape, view) == 0:
-        return torch.empty(shape, dtype=dtype)
-    source: Any = frame if not view.readonly else bytearray(view)
+    if not raw.size:
+        return torch.empty(shape, dtype=DTYPES[dtype_name])
     # One torch call per tensor (two for bfloat16): each releases the GIL, and taking it back
     # from the daemon's writer threads can cost up to a switch interval.
-    array = np.frombuffer(source, dtype=_NUMPY[dtype_name]).reshape(shape)
-    if not array.flags.aligned:  # tiny frames may sit unaligned inside the message
-        array = array.copy()
-    tensor = torch.from_numpy(array)
-    return tensor if tensor.dtype == dtype else tensor.view(dtype)
+    tensor = torch.from_numpy(_view(topic, name, dtype_name, shape, raw, _NUMPY[dtype_name]))
+    return tensor if dtype_name != "bfloat16" else tensor.view(DTYPES[dtype_name])

@@ -36,6 +36,9 @@ __all__ = ["Gap", "Subscriber", "SubscriberStatistics"]
 
 _log = logging.getLogger("worldtap.broker.zmq")
 _SLICE: Final = 0.05  # seconds between checks for close() while a receive blocks
+# Seconds between reads of the connection monitor while messages keep arriving (it is read
+# before every wait too); reading it per message cost more than decoding a small one.
+_WATCH_INTERVAL: Final = 0.02
 _ENDED_RUNS: Final = 4096  # ended (publisher, run) streams remembered, to reject replays
 _RETRY_GRACE: Final = 0.5  # seconds ZeroMQ has to start reconnecting a dropped connection itself
 _ID: Final = re.compile(r"[A-Za-z0-9_.-]{1,64}")
@@ -224,6 +227,7 @@ class Subscriber(Generic[A]):
         self._handshakes = 0
         self._failing: dict[str, str] = {}  # endpoint -> cause of its latest failed handshake
         self._monitor: zmq.Socket[Any] | None = None
+        self._watch_due = 0.0  # monotonic time of the next monitor read while busy
         self._ctx: zmq.Context[Any] = zmq.Context()
         try:
             self._socket = self._open(requested, bind, curve, hwm, heartbeat)
@@ -276,9 +280,12 @@ class Subscriber(Generic[A]):
                     return self._pending.popleft()
                 remaining = _SLICE if deadline is None else min(max(deadline - time.monotonic(), 0.0), _SLICE)
                 with translate_zmq_errors(f"receive on {', '.join(self.endpoints)}"):
-                    if self._monitor is not None:
+                    if self._monitor is not None and (now := time.monotonic()) >= self._watch_due:
                         self._watch(self._monitor)
+                        self._watch_due = now + _WATCH_INTERVAL
                     frames = self._recv(remaining)
+                    if frames is None:  # nothing came within the slice: read the monitor next
+                        self._watch_due = 0.0
                 if frames:
                     self._handle(frames)
                     if self._pending:

@@ -241,13 +241,13 @@ def test_field_round_trips_bit_exact(dtype: torch.dtype, shape: tuple[int, ...],
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_zero_dim_tensor_round_trips(dtype: torch.dtype) -> None:
-    from broker.wire import _frame, _tensor  # the tensor <-> frame helpers, in isolation
+    from broker.wire import _bytes, _frame, _tensor  # the tensor <-> frame helpers, in isolation
 
     value = _values(dtype, (1,)).reshape(())
     frame = _frame(value)
     assert frame.nbytes == value.element_size()  # one item, no shape bytes
     name = str(dtype).removeprefix("torch.")
-    back = _tensor("batch/t", "v", name, (), bytearray(frame), memoryview(frame))
+    back = _tensor("batch/t", "v", name, (), _bytes(memoryview(bytes(frame)), copy=True))
     assert back.shape == ()
     assert back.dtype == dtype
     assert back.reshape(1).view(torch.uint8).tolist() == value.reshape(1).view(torch.uint8).tolist()
@@ -457,14 +457,14 @@ def test_mutated_headers_never_escape_as_other_errors(data: st.DataObject) -> No
 @pytest.mark.parametrize("offset", [0, 1, 3])
 def test_frames_at_any_alignment_decode_to_aligned_tensors(dtype: torch.dtype, offset: int) -> None:
     """Small ZeroMQ messages live inside the message struct, at any byte offset."""
-    from broker.wire import _NAMES, _tensor
+    from broker.wire import _NAMES, _bytes, _tensor
 
     want = (torch.arange(6) % 2).to(dtype).reshape(2, 3)
     raw = want.view(torch.uint8).numpy().tobytes() if dtype != torch.bool else \
         want.numpy().tobytes()
     buf = bytearray(offset) + bytearray(raw)
     view = memoryview(buf)[offset:]
-    got = _tensor("batch/t", "x", _NAMES[dtype], (2, 3), view, view)
+    got = _tensor("batch/t", "x", _NAMES[dtype], (2, 3), _bytes(view, copy=True))
     assert got.dtype == dtype
     assert got.shape == (2, 3)
     assert got.data_ptr() % dtype.itemsize == 0

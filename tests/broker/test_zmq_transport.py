@@ -459,3 +459,47 @@ def test_close_waits_until_a_lagging_subscriber_has_read_everything(
     reader.join(30)
     assert [type(m).__name__ for m in received] == ["RunStart"] + ["Batch"] * n + ["RunEnd"]
     assert [check_numbered(m) for m in received[1:-1]] == list(range(1, n + 1))
+
+
+def test_a_dropped_connection_is_made_again_while_messages_keep_arriving(
+        make_pub: MakePub, make_sub: MakeSub, free_endpoint: Callable[[], str],
+        numbered: Callable[..., Batch], check_numbered: Check) -> None:
+    """The subscriber reads its connection monitor while busy too (every few milliseconds),
+    not only before it waits: a connection ZeroMQ dropped for an oversized frame is made again
+    while another publisher's stream never leaves the subscriber idle."""
+    pub = make_pub(free_endpoint())
+    ctx = zmq.Context()
+    raw = ctx.socket(zmq.XPUB)
+    stop = threading.Event()
+    streamer: threading.Thread | None = None
+    try:
+        raw.setsockopt(zmq.LINGER, 0)
+        raw.bind(free_endpoint())
+        raw_endpoint = raw.getsockopt(zmq.LAST_ENDPOINT).decode()
+        sub = make_sub([pub.endpoints[0], raw_endpoint], max_message_size=10_000)
+        pub.wait_for_subscribers(1, timeout=10)
+        assert raw.poll(10_000), "the subscriber never subscribed to the raw publisher"
+        raw.recv()
+
+        def stream() -> None:  # a message every 5 ms: the subscriber's waits never run out
+            seq = 0
+            while not stop.is_set():
+                pub(numbered(seq))
+                seq += 1
+                time.sleep(0.005)
+
+        streamer = threading.Thread(target=stream, daemon=True)
+        streamer.start()
+        assert check_numbered(sub.recv(timeout=10)) == 0
+        raw.send_multipart([b"batch/obs", b"x" * 20_000])  # over max_message_size: dropped
+        received, deadline = 1, time.monotonic() + 10
+        while sub.statistics().reconnects == 0 and time.monotonic() < deadline:
+            assert check_numbered(sub.recv(timeout=5)) == received  # never idle, nothing lost
+            received += 1
+        assert sub.statistics().reconnects == 1
+    finally:
+        stop.set()
+        if streamer is not None:
+            streamer.join(10)
+        raw.close(linger=0)
+        ctx.term()
