@@ -36,8 +36,9 @@ __all__ = ["Gap", "Subscriber", "SubscriberStatistics"]
 
 _log = logging.getLogger("worldtap.broker.zmq")
 _SLICE: Final = 0.05  # seconds between checks for close() while a receive blocks
-# Seconds between reads of the connection monitor while messages keep arriving (it is read
-# before every wait too); reading it per message cost more than decoding a small one.
+# Seconds between reads of the connection monitor while messages keep arriving (after a wait
+# in which nothing came, it is read at once); reading it per message cost more than decoding
+# a small one.
 _WATCH_INTERVAL: Final = 0.02
 _ENDED_RUNS: Final = 4096  # ended (publisher, run) streams remembered, to reject replays
 _RETRY_GRACE: Final = 0.5  # seconds ZeroMQ has to start reconnecting a dropped connection itself
