@@ -51,9 +51,12 @@ def _moments(x: Any, shift: Any, s1: Any, s2: Any, lo: Any, hi: Any) -> None:  #
     contiguous values, so the inner loop is long and vectorizes whatever the field's width (a
     loop over a narrow row spends its time in its scalar remainder); each of the wide row's
     values has its own accumulators, and the ``CHUNK_ROWS`` accumulators of a column are added
-    at the end. Sums are taken over ``CHUNK_ROWS`` wide rows in the compute dtype (``shift``'s),
-    then in float64. The minimum and the maximum are selections (``v < m``), which vectorize
-    but pass over a NaN; a column whose sum is not finite is searched for NaN at the end.
+    at the end. The inner loop takes four wide rows at once, so each accumulator is loaded and
+    stored once per four values (one at a time, the stores bound the loop). Sums are taken
+    over ``CHUNK_ROWS`` wide rows in the compute dtype (``shift``'s; four rows summed pairwise,
+    then added), then in float64. The minimum and the maximum are selections (``v < m``),
+    which vectorize but pass over a NaN; a column whose sum is not finite is searched for NaN
+    at the end.
     """
     n, w = x.shape
     groups = n // CHUNK_ROWS
@@ -72,8 +75,29 @@ def _moments(x: Any, shift: Any, s1: Any, s2: Any, lo: Any, hi: Any) -> None:  #
     t1 = np.zeros(width, np.float64)
     t2 = np.zeros(width, np.float64)
     for g0 in range(0, groups, CHUNK_ROWS):
-        for g in range(g0, min(g0 + CHUNK_ROWS, groups)):
-            row = wide[g]
+        end = min(g0 + CHUNK_ROWS, groups)
+        g = g0
+        while g + 4 <= end:
+            r0, r1, r2, r3 = wide[g], wide[g + 1], wide[g + 2], wide[g + 3]
+            for j in range(width):
+                s = sh[j]
+                v0, v1, v2, v3 = r0[j], r1[j], r2[j], r3[j]
+                d0, d1, d2, d3 = v0 - s, v1 - s, v2 - s, v3 - s
+                c1[j] += (d0 + d1) + (d2 + d3)
+                c2[j] += (d0 * d0 + d1 * d1) + (d2 * d2 + d3 * d3)
+                m = a[j]
+                m = v0 if v0 < m else m
+                m = v1 if v1 < m else m
+                m = v2 if v2 < m else m
+                a[j] = v3 if v3 < m else m
+                m = b[j]
+                m = v0 if v0 > m else m
+                m = v1 if v1 > m else m
+                m = v2 if v2 > m else m
+                b[j] = v3 if v3 > m else m
+            g += 4
+        for h in range(g, end):  # the last chunk's wide rows after its fours
+            row = wide[h]
             for j in range(width):
                 v = row[j]
                 d = v - sh[j]
@@ -121,14 +145,24 @@ def _moments(x: Any, shift: Any, s1: Any, s2: Any, lo: Any, hi: Any) -> None:  #
 
 def _counts(x: Any, out: Any) -> None:  # pragma: no cover (compiled)
     """Per column of ``x`` (``[rows, columns]`` of 0 and 1, a bool field viewed as uint8), the
-    number of ones, written to ``out``."""
+    number of ones, written to ``out``. Rows are read as wide rows, as :func:`_moments` does
+    (a field of one column would otherwise be a loop of one value per row)."""
     n, w = x.shape
-    t = np.zeros(w, np.int64)
-    for r in range(n):
-        for j in range(w):
-            t[j] += x[r, j]
+    groups = n // CHUNK_ROWS
+    width = CHUNK_ROWS * w
+    wide = x[:groups * CHUNK_ROWS].reshape(groups, width)
+    t = np.zeros(width, np.int64)
+    for g in range(groups):
+        row = wide[g]
+        for j in range(width):
+            t[j] += row[j]
     for j in range(w):
-        out[j] = t[j]
+        u = 0
+        for k in range(CHUNK_ROWS):
+            u += t[k * w + j]
+        for r in range(groups * CHUNK_ROWS, n):  # the rows after the whole chunks
+            u += x[r, j]
+        out[j] = u
 
 
 def counts() -> Counter:

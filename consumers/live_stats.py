@@ -265,15 +265,15 @@ class _Group:
 
     def _native(self, parts: list[torch.Tensor], out: torch.Tensor) -> None:
         """Reduce a batch with the numba kernel into ``out`` (a ``[4, width]`` window row), one
-        call per field, on numpy views of the fields (no copy, unless a float field is not
-        contiguous: the kernel reads it as contiguous chunks of rows); bool fields are counted
+        call per field, on numpy views of the fields (no copy, unless a field is not
+        contiguous: the kernels read it as contiguous chunks of rows); bool fields are counted
         into its first row."""
         if parts[0].dtype == torch.bool:
             count = typing.cast(_kernels.Counter, self.native)
             row, start = out.numpy(), 0
             for p in parts:
                 end = start + p.shape[1]
-                count(p.numpy().view(np.uint8), row[0, start:end])
+                count(p.contiguous().numpy().view(np.uint8), row[0, start:end])
                 start = end
             return
         native = typing.cast(_kernels.Kernel, self.native)

@@ -72,6 +72,8 @@ def test_a_nan_in_any_row_of_a_batch_makes_its_column_minimum_and_maximum_nan(ke
 
 @KERNELS
 def test_strided_expanded_grad_and_float64_fields_match_numpy_and_stay_unchanged(kernel: str) -> None:
+    """Float and bool fields that are views of any layout (the numba kernels read contiguous
+    rows: they are given contiguous copies)."""
     gen = torch.Generator().manual_seed(5)
     stats = LiveStatistics(kernel=kernel)
     published: dict[str, list[np.ndarray]] = {}
@@ -84,6 +86,8 @@ def test_strided_expanded_grad_and_float64_fields_match_numpy_and_stay_unchanged
             "expanded": torch.randn(1, 3, generator=gen).expand(n, 3),  # one row, stride 0
             "grad": torch.randn(n, 2, generator=gen).requires_grad_(),
             "nested": torch.randn(n, 2, 3, generator=gen)[:, :, 1:],   # 3-D, not contiguous
+            "flags": (torch.rand(3, n, generator=gen) > 0.5).T,         # bool, column-major
+            "flag": (torch.rand(n, 2, generator=gen) > 0.5)[:, 1],      # bool, every other byte
         }
         before = {k: v.detach().clone() for k, v in fields.items()}
         stats(batch(fields, step))
