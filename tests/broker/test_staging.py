@@ -3,6 +3,7 @@ out a slot ZeroMQ may still read; its plan cache stays bounded."""
 
 from __future__ import annotations
 
+import sys
 import threading
 
 import pytest
@@ -50,6 +51,44 @@ def test_stage_handles_strided_empty_zero_d_and_grad_tensors() -> None:
     for _ in range(2):  # the second pass reuses the cached plan
         assert _staged_bytes(ring, tensors) == [_bits(t.resolve_neg()) for t in tensors]
         base.add_(1)
+
+
+def test_staging_host_tensors_never_gives_up_the_gil() -> None:
+    """The staging copy keeps the GIL: where the simulation thread gives it up, the publisher's
+    sender thread (or any other) may take it and hold it for a switch interval. A thread
+    spinning in Python counts while it holds the GIL; with a long switch interval it only runs
+    during the staging of a message if a copy gives the GIL up (numpy's copyto and torch's
+    copy_ do for large copies: with copyto in place of the memmove, it ran 110 million times)."""
+    tensors = [torch.arange(4096 * 37, dtype=torch.float32).reshape(4096, 37), torch.ones(4096, dtype=torch.bool),
+               torch.arange(4096)]  # contiguous and plain (a lazy view is materialized by torch first)
+    ring = StagingRing(1, threading.Condition())
+    _staged_bytes(ring, tensors)  # the plan and the buffer are made once: staging from here on
+    slot = ring.acquire(True, 1.0)
+    assert slot is not None
+    count = [0]
+    stop, started = threading.Event(), threading.Event()
+
+    def spin() -> None:
+        started.set()
+        while not stop.is_set():
+            count[0] += 1
+
+    interval = sys.getswitchinterval()
+    spinner = threading.Thread(target=spin, daemon=True)
+    try:
+        sys.setswitchinterval(0.5)
+        spinner.start()
+        started.wait(10)
+        before = count[0]
+        layout, _ = ring.stage(slot, tensors)
+        during = count[0] - before
+    finally:
+        stop.set()
+        sys.setswitchinterval(interval)
+        spinner.join(10)
+        ring.release(slot, None)
+    assert during == 0, f"the spinning thread ran {during} times while a message was staged"
+    assert [bytes(slot.frame(off, nb)) for off, nb in layout] == [_bits(t) for t in tensors]
 
 
 def test_overwriting_the_source_after_staging_changes_nothing_staged() -> None:
