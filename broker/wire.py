@@ -647,16 +647,17 @@ def decode_envelope(
 ) -> Decoded[torch.Tensor] | Decoded[np.ndarray]:
     """Like :func:`decode`, and also return the publisher's numbering of the message."""
     if arrays == "torch":
-        return _decode(frames, max_header_size, max_message_size, _tensor)
+        return _decode(frames, max_header_size, max_message_size, _tensor, copy=True)
     if arrays == "numpy":
-        return _decode(frames, max_header_size, max_message_size, _array)
+        return _decode(frames, max_header_size, max_message_size, _array, copy=False)
     raise ValueError(f"arrays: expected 'torch' or 'numpy', got {arrays!r}")
 
 
 def _decode(frames: Sequence[Any], max_header_size: int, max_message_size: int,
-            build: Callable[[str, str, str, tuple[int, ...], np.ndarray], A]) -> Decoded[A]:
+            build: Callable[[str, str, str, tuple[int, ...], np.ndarray], A], copy: bool) -> Decoded[A]:
     """:func:`decode_envelope` with ``build`` making each tensor from its checked spec and its
-    bytes (a uint8 array of exactly the spec's size, over the received frame)."""
+    bytes (a uint8 array of exactly the spec's size, over the received frame, or over a copy
+    of a read-only frame with ``copy``: torch cannot own read-only memory)."""
     if len(frames) < 2:
         raise _fail("missing frames", f"expected at least 2 frames (topic, header), got {len(frames)}")
     views = [memoryview(f).cast("B") for f in frames]
@@ -686,13 +687,13 @@ def _decode(frames: Sequence[Any], max_header_size: int, max_message_size: int,
     else:
         items, end = _layout(topic, kind, head["v"], own_specs, field_specs)
         known = None
-    # A read-only frame (bytes) is copied once for torch, which cannot own read-only memory.
-    copy = build is _tensor
     if head["v"] == 1:
         _count_frames(topic, payload, len(items), "tensor frames")
         raws = []
-        for _, name, dtype, shape, f, _ in items:
-            _check_size(topic, name, dtype, shape, payload[f].nbytes)
+        for _, name, dtype, shape, f, nb in items:
+            if payload[f].nbytes != nb:
+                raise _fail("shape", f"topic {topic!r} tensor {name!r}: shape {list(shape)} of {dtype} "
+                                     f"needs {nb} bytes, frame has {payload[f].nbytes}")
             raws.append(_bytes(payload[f], copy))
     elif items:
         _count_frames(topic, payload, 1, "data frame (protocol 2)")
@@ -724,7 +725,7 @@ def _decode(frames: Sequence[Any], max_header_size: int, max_message_size: int,
 
 Item = tuple[bool, str, str, tuple[int, ...], int, int]
 """One tensor of a checked layout: own (not named), name, dtype, shape, and where its bytes
-are: protocol 1, its frame index and 0; protocol 2, its offset in the data frame and its size."""
+are: protocol 1, its frame index; protocol 2, its offset in the data frame; then its size."""
 
 
 def _layout(topic: str, kind: str, version: int, own_specs: list[TensorSpec],
@@ -740,11 +741,12 @@ def _layout(topic: str, kind: str, version: int, own_specs: list[TensorSpec],
     if sorted(positions) != list(range(len(specs))):
         raise _fail("header", f"topic {topic!r}: frame indices {positions} are not "
                               f"each of 0..{len(specs) - 1} once")
-    if version == 1:
-        return [(i < len(own_specs), name, dtype, shape, f, 0) for i, (name, dtype, shape, f) in enumerate(specs)], 0
     sizes = [0] * len(specs)
     for _, dtype, shape, f in specs:  # shapes are bounded: no product overflows
         sizes[f] = math.prod(shape) * NUMPY_DTYPES[dtype].itemsize
+    if version == 1:
+        return [(i < len(own_specs), name, dtype, shape, f, sizes[f])
+                for i, (name, dtype, shape, f) in enumerate(specs)], 0
     offsets, end = packed_layout(sizes)
     return [(i < len(own_specs), name, dtype, shape, offsets[f], sizes[f])
             for i, (name, dtype, shape, f) in enumerate(specs)], end
@@ -865,18 +867,6 @@ def _check_specs(topic: str, key: str, entries: Any, limit: int) -> list[TensorS
             raise _fail("shape", f"topic {topic!r} tensor {shown(name)}: {problem}")
         out.append((name, dtype, tuple(shape), frame))
     return out
-
-
-def _check_size(topic: str, name: str, dtype_name: str, shape: tuple[int, ...], nbytes: int) -> None:
-    """Check a protocol 1 frame of ``nbytes`` against its tensor's spec.
-
-    Raises:
-        WireFormatError: (``"shape"``) the frame has another size.
-    """
-    expected = math.prod(shape) * NUMPY_DTYPES[dtype_name].itemsize
-    if expected != nbytes:
-        raise _fail("shape", f"topic {topic!r} tensor {name!r}: shape {list(shape)} of {dtype_name} "
-                             f"needs {expected} bytes, frame has {nbytes}")
 
 
 def _bytes(view: memoryview, copy: bool) -> np.ndarray:
