@@ -3,9 +3,13 @@
 ``python -m benchmarks.transport [--json] [--worlds 256 4096] [--seconds N] [--transports ipc tcp]``
 
 For each transport and world count, one receiver process (started once) takes, alternating
-over ``--rounds`` rounds: raw PUSH/PULL of the payload's bytes (the ceiling), then the worldtap
-path (broker -> ZmqPublisher -> Subscriber with full decoding). Reported: payload GB/s and
-messages/s at the receiver (medians over rounds), the median of the per-round ratios, the
+over ``--rounds`` rounds: raw PUSH/PULL of the payload's bytes (the ceiling), the copy floor
+(the same, but each send first copies the payload into the next of ``--slots`` rotating
+buffers: the least a publisher pays that may not keep the caller's tensors once ``publish``
+returns, as worldtap's may not; it does not wait for ZeroMQ to let go of a buffer, so it is a
+cost, its bytes are not checked), then the worldtap path (broker -> ZmqPublisher -> Subscriber
+with full decoding). Reported: payload GB/s and messages/s at the receiver (medians over
+rounds), the median of the per-round ratios to raw and to the copy floor, the
 simulation-thread cost per publish against a memcpy of the payload (randomized paired trials,
 staging ring not full; each timed op alone, both with one payload in flight, as in a running
 simulation, and, as "idle", with nothing in flight), the CPU time each process spends per message
@@ -13,7 +17,8 @@ while streaming (all its threads: ZeroMQ's I/O thread, and the publisher's sende
 lossless check (every sequence number received, adler32 checksums of randomized batches equal on
 both sides).
 Budgets: >= 0.8 of raw throughput at 4096 worlds and >= 0.7 at 256 (every transport); publish
-<= 2x memcpy at 4096 worlds.
+<= 2x memcpy at 4096 worlds. The copy floor's own share of raw (``copy_floor_of_raw``) says how
+much of a budget the copy alone takes on the machine at hand.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ import zlib
 from multiprocessing.connection import Connection
 from typing import Any
 
+import numpy as np
 import torch
 import zmq
 
@@ -133,9 +139,13 @@ def _worker(conn: Connection) -> None:
 # -- publisher side ---------------------------------------------------------------------------
 
 
-def _raw(endpoint: str, worlds: int, seconds: float, conn: Connection) -> dict[str, Any]:
+def _raw(endpoint: str, worlds: int, seconds: float, conn: Connection, copies: int = 0) -> dict[str, Any]:
+    """Raw PUSH of the payload's frames (the ceiling); with ``copies``, each send first copies
+    the payload into the next of ``copies`` rotating buffers (the copy floor, see ``main``)."""
     w, e, fields = payload(worlds)
-    frames = [b"batch/seed", b"h" * 200] + [t.numpy().data for t in [w, e, *fields.values()]]
+    sources = [t.numpy() for t in [w, e, *fields.values()]]
+    frames: list[Any] = [b"batch/seed", b"h" * 200] + [a.data for a in sources]
+    ring = [[a.copy() for a in sources] for _ in range(copies)]
     ctx = zmq.Context()
     sock = ctx.socket(zmq.PUSH)
     sock.setsockopt(zmq.SNDHWM, 64)
@@ -145,6 +155,11 @@ def _raw(endpoint: str, worlds: int, seconds: float, conn: Connection) -> dict[s
     end = time.perf_counter() + seconds
     sent, cpu = 0, cpu_seconds()
     while time.perf_counter() < end:
+        if ring:  # the bytes of a buffer still in flight may be overwritten: a cost, not a check
+            buffers = ring[sent % copies]
+            for dst, src in zip(buffers, sources, strict=True):
+                np.copyto(dst, src)
+            frames[2:] = [b.data for b in buffers]
         sock.send_multipart(frames, copy=False)
         sent += 1
     sock.send(b"")
@@ -254,21 +269,23 @@ def main(argv: list[str] | None = None) -> None:
 
             for transport in args.transports:
                 for worlds in args.worlds:
-                    raws, ours, lossless = [], [], True
+                    raws, floors, ours, lossless = [], [], [], True
                     costs: dict[str, list[float]] = {}
                     share = args.seconds / args.rounds
-                    for _ in range(args.rounds):  # interleaved: both sides see the same machine
+                    for _ in range(args.rounds):  # interleaved: every side sees the same machine
                         raws.append(_raw(endpoint(transport), worlds, share, parent))
+                        floors.append(_raw(endpoint(transport), worlds, share, parent, copies=args.slots))
                         result, cost, ok = _worldtap(endpoint(transport), worlds, share,
                                                      max(trials // args.rounds, 3), parent, args.slots, args.hwm)
                         ours.append(result)
                         lossless &= ok
                         for name, values in cost.items():
                             costs.setdefault(name, []).extend(values)
-                    sample = _summarize(transport, worlds, raws, ours, costs, lossless)
+                    sample = _summarize(transport, worlds, raws, floors, ours, costs, lossless)
                     samples.append(sample)
                     rows.append([transport, worlds, sample["payload_kb"], sample["raw_gb_s"],
-                                 sample["worldtap_gb_s"], sample["throughput_ratio"], sample["worldtap_msg_s"],
+                                 sample["raw_copy_gb_s"], sample["worldtap_gb_s"], sample["throughput_ratio"],
+                                 sample["copy_floor_ratio"], sample["worldtap_msg_s"],
                                  sample["publish_ms"], sample["memcpy_ms"], sample["cost_ratio"],
                                  sample["idle_cost_ratio"], _cpu(sample, "publisher"), _cpu(sample, "receiver"),
                                  lossless])
@@ -283,14 +300,15 @@ def main(argv: list[str] | None = None) -> None:
                "cost_ok": all(s["cost_ratio"] <= 2.0 for s in big) if big else None,
                "lossless": all(s["lossless"] for s in samples)}
     ratios = {f"{s['transport']}/{s['worlds']}": s["throughput_ratio"] for s in samples}
+    floor_ratios = {f"{s['transport']}/{s['worlds']}": s["copy_floor_ratio"] for s in samples}
     publish_ms = {f"{s['transport']}/{s['worlds']}": s["publish_ms"] for s in samples}
     if args.json:
         print_json({"benchmark": "transport", "seconds": args.seconds, "trials": trials,
-                    "ratios": ratios, "publish_ms": publish_ms, "cases": samples, "budgets": budgets,
-                    "machine": machine(), "versions": versions()})
+                    "ratios": ratios, "copy_floor_ratios": floor_ratios, "publish_ms": publish_ms,
+                    "cases": samples, "budgets": budgets, "machine": machine(), "versions": versions()})
     else:
-        print(table(["transport", "worlds", "payload kB", "raw GB/s", "worldtap GB/s", "ratio", "msg/s",
-                     "publish ms", "memcpy ms", "cost x", "idle cost x", "pub cpu us/msg (raw)",
+        print(table(["transport", "worlds", "payload kB", "raw GB/s", "raw+copy GB/s", "worldtap GB/s", "ratio",
+                     "of raw+copy", "msg/s", "publish ms", "memcpy ms", "cost x", "idle cost x", "pub cpu us/msg (raw)",
                      "recv cpu us/msg (raw)", "lossless"], rows))
         print(f"budgets: {budgets}")
 
@@ -314,8 +332,8 @@ def _per_message(seconds: float, messages: int) -> float:
     return seconds / messages * 1e6 if messages > 0 else 0.0
 
 
-def _summarize(transport: str, worlds: int, raws: list[dict[str, Any]], ours: list[dict[str, Any]],
-               cost: dict[str, list[float]], lossless: bool) -> dict[str, Any]:
+def _summarize(transport: str, worlds: int, raws: list[dict[str, Any]], floors: list[dict[str, Any]],
+               ours: list[dict[str, Any]], cost: dict[str, list[float]], lossless: bool) -> dict[str, Any]:
     def gbs(r: dict[str, Any]) -> float:
         return r["bytes"] / r["seconds"] / 1e9 if r["seconds"] > 0 else 0.0
 
@@ -323,6 +341,8 @@ def _summarize(transport: str, worlds: int, raws: list[dict[str, Any]], ours: li
         return r["messages"] / r["seconds"] if r["seconds"] > 0 else 0.0
 
     ratios = [gbs(o) / gbs(r) if gbs(r) else 0.0 for r, o in zip(raws, ours, strict=True)]
+    floor_ratios = [gbs(o) / gbs(f) if gbs(f) else 0.0 for f, o in zip(floors, ours, strict=True)]
+    floor_of_raw = [gbs(f) / gbs(r) if gbs(r) else 0.0 for r, f in zip(raws, floors, strict=True)]
     publish, memcpy = stats(cost["publish"]), stats(cost["memcpy"])
     idle_publish, idle_memcpy = stats(cost["idle_publish"]), stats(cost["idle_memcpy"])
     _, _, fields = payload(1)
@@ -333,8 +353,12 @@ def _summarize(transport: str, worlds: int, raws: list[dict[str, Any]], ours: li
         "raw_gb_s": med(gbs(r) for r in raws), "raw_msg_s": med(mps(r) for r in raws),
         "worldtap_gb_s": med(gbs(o) for o in ours), "worldtap_msg_s": med(mps(o) for o in ours),
         "throughput_ratio": med(ratios), "throughput_ratios": ratios,
+        "raw_copy_gb_s": med(gbs(f) for f in floors), "copy_floor_ratio": med(floor_ratios),
+        "copy_floor_ratios": floor_ratios, "copy_floor_of_raw": med(floor_of_raw),
         "raw_cpu_us_per_message": {"publisher": med(r["publisher_cpu_us"] for r in raws),
                                    "receiver": med(r["cpu_us"] for r in raws)},
+        "raw_copy_cpu_us_per_message": {"publisher": med(f["publisher_cpu_us"] for f in floors),
+                                        "receiver": med(f["cpu_us"] for f in floors)},
         "worldtap_cpu_us_per_message": {"publisher": med(o["publisher_cpu_us"] for o in ours),
                                         "receiver": med(o["cpu_us"] for o in ours)},
         "publish_ms": publish["median"], "memcpy_ms": memcpy["median"],
@@ -343,7 +367,7 @@ def _summarize(transport: str, worlds: int, raws: list[dict[str, Any]], ours: li
         "idle_cost_ratio": idle_publish["median"] / idle_memcpy["median"] if idle_memcpy["median"] else 0.0,
         "lossless": lossless, "raw": raws, "worldtap": ours, "publish_trials_ms": publish,
         "memcpy_trials_ms": memcpy, "idle_publish_trials_ms": idle_publish,
-        "idle_memcpy_trials_ms": idle_memcpy,
+        "idle_memcpy_trials_ms": idle_memcpy, "raw_copy": floors,
     }
 
 

@@ -57,6 +57,13 @@ def test_benchmark_smoke(name: str, tmp_path: Path) -> None:
             assert case["byte_equal"] is True
             assert case["staging_gbps"] > 0
             assert case["staging_vs_copy"] > 0
+    if name == "transport":
+        for case in doc["cases"]:
+            assert case["lossless"] is True
+            assert len(case["raw_copy"]) == len(case["copy_floor_ratios"]) == 2  # one per round
+            assert all(r["messages"] > 1 for r in case["raw_copy"])
+            assert case["raw_copy_gb_s"] > 0 and case["copy_floor_ratio"] > 0 and case["copy_floor_of_raw"] > 0
+        assert set(doc["copy_floor_ratios"]) == set(doc["ratios"])
     if name == "read":
         case = doc["cases"][0]
         assert case["byte_equal"] is True
