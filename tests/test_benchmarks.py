@@ -62,7 +62,9 @@ def test_benchmark_smoke(name: str, tmp_path: Path) -> None:
             assert case["lossless"] is True
             assert len(case["raw_copy"]) == len(case["copy_floor_ratios"]) == 2  # one per round
             assert all(r["messages"] > 1 for r in case["raw_copy"])
-            assert case["raw_copy_gb_s"] > 0 and case["copy_floor_ratio"] > 0 and case["copy_floor_of_raw"] > 0
+            assert case["raw_copy_gb_s"] > 0
+            assert case["copy_floor_ratio"] > 0
+            assert case["copy_floor_of_raw"] > 0
         assert set(doc["copy_floor_ratios"]) == set(doc["ratios"])
     if name == "read":
         case = doc["cases"][0]
@@ -70,3 +72,21 @@ def test_benchmark_smoke(name: str, tmp_path: Path) -> None:
         assert set(case["results"]) == {"episode_loop", "read_episodes", "read_batch", "dataloader", "zarr"}
         assert case["results"]["read_batch"]["episodes"] == case["episodes"] >= 16
         assert all(r["gb_per_s"] > 0 and r["speedup_vs_episode_loop"] > 0 for r in case["results"].values())
+
+
+def test_readme_benchmark_table_has_a_row_for_every_benchmark() -> None:
+    """The README's benchmark table is one table (a blank line between two rows ends it, and
+    the rows after it render as a stray paragraph) with a row for every benchmark module."""
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    section = text.split("\n## Benchmarks\n", 1)[1].split("\n## ", 1)[0]
+    lines = section.splitlines()
+    first = next(i for i, line in enumerate(lines) if line.startswith("| benchmark |"))
+    rows: list[str] = []
+    for line in lines[first:]:
+        if not line.startswith("|"):
+            break
+        rows.append(line)
+    named = {row.split("`")[1].split()[0] for row in rows[2:]}  # after the header and its rule
+    assert set(MODULES) <= named, f"benchmarks without a row in the README's table: {sorted(set(MODULES) - named)}"
+    stray = [line for line in lines[first + len(rows):] if line.startswith("| `")]
+    assert not stray, f"table rows cut off from the README's benchmark table: {[s[:40] for s in stray]}"
