@@ -13,9 +13,10 @@ rounds), the median of the per-round ratios to raw and to the copy floor, the
 simulation-thread cost per publish against a memcpy of the payload (randomized paired trials,
 staging ring not full; each timed op alone, both with one payload in flight, as in a running
 simulation, and, as "idle", with nothing in flight), the CPU time each process spends per message
-while streaming (all its threads: ZeroMQ's I/O thread, and the publisher's sender thread), and a
-lossless check (every sequence number received, adler32 checksums of randomized batches equal on
-both sides).
+while streaming (all its threads: ZeroMQ's I/O thread, and the publisher's sender thread) and,
+on Linux, each thread's share of it (``cpu_us_per_message_by_thread``: main, sender, ZeroMQ's
+I/O threads, pyzmq's garbage collector of zero-copy frames), and a lossless check (every
+sequence number received, adler32 checksums of randomized batches equal on both sides).
 Budgets: >= 0.8 of raw throughput at 4096 worlds and >= 0.7 at 256 (every transport); publish
 <= 2x memcpy at 4096 worlds. The copy floor's own share of raw (``copy_floor_of_raw``) says how
 much of a budget the copy alone takes on the machine at hand.
@@ -24,12 +25,15 @@ much of a budget the copy alone takes on the machine at hand.
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
 import resource
 import statistics
 import tempfile
+import threading
 import time
 import zlib
 from multiprocessing.connection import Connection
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -43,12 +47,51 @@ WIDTHS = {"state": 37, "next_state": 37, "control": 19, "contacts": 72}
 FLAGS = ("terminated", "truncated", "valid")
 VERIFY = 16  # randomized batches whose checksums are compared
 RATIO_MIN = {256: 0.7, 4096: 0.8}  # throughput budgets: fraction of raw pyzmq, by world count
+_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 
 def cpu_seconds() -> float:
     """CPU time of this process so far, every thread (user and system)."""
     usage = resource.getrusage(resource.RUSAGE_SELF)
     return usage.ru_utime + usage.ru_stime
+
+
+def thread_cpu() -> dict[str, float]:
+    """CPU seconds of this process's threads so far (user and system), summed by role: ``main``,
+    ``sender`` (ZmqPublisher's thread), ``monitor``, ``pyzmq gc`` (pyzmq's thread that lets go
+    of zero-copy frames), ``zmq io`` (ZeroMQ's I/O threads), else the thread's name. Empty
+    where ``/proc`` has no per-thread times (not Linux)."""
+    threads = {t.native_id: t for t in threading.enumerate()}
+    main = threading.main_thread().native_id
+    out: dict[str, float] = {}
+    try:
+        tasks = list(Path("/proc/self/task").iterdir())
+    except OSError:
+        return out
+    for task in tasks:
+        try:
+            stat = (task / "stat").read_text()
+        except OSError:  # the thread ended
+            continue
+        comm, fields = stat[stat.index("(") + 1:stat.rindex(")")], stat[stat.rindex(")") + 2:].split()
+        tid = int(task.name)
+        thread = threads.get(tid)
+        if tid == main:
+            role = "main"
+        elif thread is not None:
+            name = thread.name
+            role = ("sender" if name.startswith("worldtap-zmq-pub") else
+                    "monitor" if name.startswith("worldtap-zmq-monitor") else
+                    "pyzmq gc" if type(thread).__name__ == "GarbageCollectorThread" else name)
+        else:
+            role = "zmq io" if comm.startswith("ZMQbg/IO") else comm
+        out[role] = out.get(role, 0.0) + (int(fields[11]) + int(fields[12])) / _TICKS
+    return out
+
+
+def _thread_us(before: dict[str, float], after: dict[str, float], messages: int) -> dict[str, float]:
+    """Microseconds of CPU per message of each role between two :func:`thread_cpu` readings."""
+    return {role: _per_message(after[role] - before.get(role, 0.0), messages) for role in sorted(after)}
 
 
 def payload(worlds: int) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
@@ -85,13 +128,15 @@ def _recv_raw(endpoint: str, conn: Connection) -> dict[str, Any]:
             break
         last = time.perf_counter()
         if count == 0:
-            first, cpu = last, cpu_seconds()
+            first, cpu, threads = last, cpu_seconds(), thread_cpu()
         count += 1
         nbytes += sum(len(f) for f in frames)
     cpu = cpu_seconds() - cpu
+    by_thread = _thread_us(threads, thread_cpu(), count - 1)
     sock.close(linger=0)
     ctx.term()
-    return {"messages": count, "bytes": nbytes, "seconds": last - first, "cpu_us": _per_message(cpu, count - 1)}
+    return {"messages": count, "bytes": nbytes, "seconds": last - first, "cpu_us": _per_message(cpu, count - 1),
+            "threads_us": by_thread}
 
 
 def _recv_worldtap(endpoint: str, conn: Connection) -> dict[str, Any]:
@@ -103,6 +148,8 @@ def _recv_worldtap(endpoint: str, conn: Connection) -> dict[str, Any]:
     first = last = cpu = 0.0
     expected = -1
     streamed = 0.0
+    threads: dict[str, float] = {}
+    by_thread: dict[str, float] = {}
     for item in sub:
         if isinstance(item, RunEnd):
             expected = int(item.metadata["batches"])
@@ -111,6 +158,8 @@ def _recv_worldtap(endpoint: str, conn: Connection) -> dict[str, Any]:
             gaps += 1 if type(item).__name__ == "Gap" else 0
             continue
         seqs.add(item.seq)
+        if item.topic != "batch/seed" and count and not by_thread:  # the seed stream has ended
+            by_thread = _thread_us(threads, thread_cpu(), count - 1)
         if item.topic == "batch/verify":
             sums[item.seq] = checksum(_tensors(item))
         elif item.topic == "batch/seed":
@@ -118,6 +167,7 @@ def _recv_worldtap(endpoint: str, conn: Connection) -> dict[str, Any]:
             if count == 0:
                 first = last
                 cpu = cpu_seconds()
+                threads = thread_cpu()
             else:
                 streamed = cpu_seconds()  # at the last seed batch: what follows is no streaming
             count += 1
@@ -126,7 +176,8 @@ def _recv_worldtap(endpoint: str, conn: Connection) -> dict[str, Any]:
     sub.close()
     return {"messages": count, "bytes": nbytes, "seconds": last - first,
             "cpu_us": _per_message(streamed - cpu, count - 1), "seqs": sorted(seqs),
-            "expected": expected, "gaps": gaps + stats_.gaps, "bad": stats_.bad_messages, "sums": sums}
+            "expected": expected, "gaps": gaps + stats_.gaps, "bad": stats_.bad_messages, "sums": sums,
+            "threads_us": by_thread}
 
 
 def _worker(conn: Connection) -> None:
@@ -153,7 +204,7 @@ def _raw(endpoint: str, worlds: int, seconds: float, conn: Connection, copies: i
     conn.send(("raw", endpoint))
     assert conn.recv() == "ready"
     end = time.perf_counter() + seconds
-    sent, cpu = 0, cpu_seconds()
+    sent, cpu, threads = 0, cpu_seconds(), thread_cpu()
     while time.perf_counter() < end:
         if ring:  # the bytes of a buffer still in flight may be overwritten: a cost, not a check
             buffers = ring[sent % copies]
@@ -163,8 +214,9 @@ def _raw(endpoint: str, worlds: int, seconds: float, conn: Connection, copies: i
         sock.send_multipart(frames, copy=False)
         sent += 1
     sock.send(b"")
-    result: dict[str, Any] = conn.recv()
+    result: dict[str, Any] = conn.recv()  # the receiver has every message: ZeroMQ's work is done
     result["publisher_cpu_us"] = _per_message(cpu_seconds() - cpu, sent)
+    result["publisher_threads_us"] = _thread_us(threads, thread_cpu(), sent)
     sock.close(linger=-1)
     ctx.term()
     return result
@@ -192,11 +244,12 @@ def _worldtap(endpoint: str, worlds: int, seconds: float, trials: int, conn: Con
 
     bus.publish(RunStart("bench", 0, 0, worlds, "cpu"))
     end = time.perf_counter() + seconds
-    cpu = cpu_seconds()
+    cpu, threads = cpu_seconds(), thread_cpu()
     while time.perf_counter() < end:
         publish()
     pub.flush()
     streamed = seq, cpu_seconds() - cpu
+    threads = _thread_us(threads, thread_cpu(), seq)
 
     def memcpy() -> None:
         for d, s in zip(dsts[next(turn) % slots], [w, e, *fields.values()], strict=True):
@@ -230,6 +283,7 @@ def _worldtap(endpoint: str, worlds: int, seconds: float, trials: int, conn: Con
                 and {int(k): v for k, v in result.pop("sums").items()} == sums)
     result["published"] = seq
     result["publisher_cpu_us"] = _per_message(streamed[1], streamed[0])
+    result["publisher_threads_us"] = threads
     result["drops"] = pub.statistics().drops
     del result["seqs"]
     return result, cost, lossless
@@ -310,6 +364,15 @@ def main(argv: list[str] | None = None) -> None:
         print(table(["transport", "worlds", "payload kB", "raw GB/s", "raw+copy GB/s", "worldtap GB/s", "ratio",
                      "of raw+copy", "msg/s", "publish ms", "memcpy ms", "cost x", "idle cost x", "pub cpu us/msg (raw)",
                      "recv cpu us/msg (raw)", "lossless"], rows))
+        print("CPU us per message by thread (medians over rounds):")
+        print(table(["transport", "worlds", "path", "pub main", "pub sender", "pub zmq io", "pub pyzmq gc",
+                     "recv main", "recv zmq io"], [
+            [s["transport"], s["worlds"], path, *(s["cpu_us_per_message_by_thread"][key][side].get(role, 0.0)
+                                                  for side, role in (("publisher", "main"), ("publisher", "sender"),
+                                                                     ("publisher", "zmq io"),
+                                                                     ("publisher", "pyzmq gc"),
+                                                                     ("receiver", "main"), ("receiver", "zmq io")))]
+            for s in samples for key, path in (("raw", "raw"), ("raw_copy", "raw+copy"), ("worldtap", "worldtap"))]))
         print(f"budgets: {budgets}")
 
 
@@ -330,6 +393,14 @@ def _cpu(sample: dict[str, Any], side: str) -> str:
 def _per_message(seconds: float, messages: int) -> float:
     """Microseconds per message (0 when none was counted)."""
     return seconds / messages * 1e6 if messages > 0 else 0.0
+
+
+def _by_role(rounds: Any) -> dict[str, float]:
+    """The median over rounds of each role's CPU per message (roles missing from a round: 0)."""
+    rounds = list(rounds)
+    roles = sorted({role for r in rounds for role in r})
+    medians = {role: statistics.median(r.get(role, 0.0) for r in rounds) for role in roles}
+    return {role: us for role, us in medians.items() if us > 0}  # idle threads left out
 
 
 def _summarize(transport: str, worlds: int, raws: list[dict[str, Any]], floors: list[dict[str, Any]],
@@ -361,6 +432,9 @@ def _summarize(transport: str, worlds: int, raws: list[dict[str, Any]], floors: 
                                         "receiver": med(f["cpu_us"] for f in floors)},
         "worldtap_cpu_us_per_message": {"publisher": med(o["publisher_cpu_us"] for o in ours),
                                         "receiver": med(o["cpu_us"] for o in ours)},
+        "cpu_us_per_message_by_thread": {side: {"publisher": _by_role(r["publisher_threads_us"] for r in runs),
+                                                "receiver": _by_role(r["threads_us"] for r in runs)}
+                                         for side, runs in (("raw", raws), ("raw_copy", floors), ("worldtap", ours))},
         "publish_ms": publish["median"], "memcpy_ms": memcpy["median"],
         "cost_ratio": publish["median"] / memcpy["median"] if memcpy["median"] else 0.0,
         "idle_publish_ms": idle_publish["median"], "idle_memcpy_ms": idle_memcpy["median"],

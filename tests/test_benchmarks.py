@@ -65,6 +65,11 @@ def test_benchmark_smoke(name: str, tmp_path: Path) -> None:
             assert case["raw_copy_gb_s"] > 0
             assert case["copy_floor_ratio"] > 0
             assert case["copy_floor_of_raw"] > 0
+            threads = case["cpu_us_per_message_by_thread"]
+            assert set(threads) == {"raw", "raw_copy", "worldtap"}
+            if sys.platform == "linux":  # per-thread times come from /proc: the busy threads show
+                assert threads["worldtap"]["publisher"]["main"] > 0
+                assert threads["worldtap"]["receiver"]["main"] > 0
         assert set(doc["copy_floor_ratios"]) == set(doc["ratios"])
     if name == "read":
         case = doc["cases"][0]
