@@ -21,7 +21,8 @@ in randomized paired trials, each on a freshly opened store (no chunk cached):
 
 Reported: episodes/s and GB/s (the fields' bytes of the episodes read) of each, each one's
 speed per episode over the episode loop's, and its fraction of the zarr floor's GB/s; and
-byte equality: every loop episode as ``read_episodes`` gives it, and every DataLoader item.
+byte equality: every loop episode as the recorder published it and as ``read_episodes`` gives
+it, and every DataLoader item.
 """
 
 from __future__ import annotations
@@ -145,15 +146,21 @@ def run_case(args: Any, root: Path) -> dict[str, Any]:
         cases[f"dataloader_{args.workers}_workers"] = (fresh, lambda: loader(args.workers))
     ms, orders = paired_trials(cases, trials=args.trials, repeats=1, device="cpu", seed=args.seed)
 
-    # Byte equality: the loop's episodes as read_episodes gives them; every DataLoader item.
+    # Byte equality: each loop episode as the recorder published it (its world's rows at the
+    # steps episode_rows gives) and as read_episodes gives it; every DataLoader item.
     check = RunStore(path)
     bulk_eps = list(check.read_episodes(RUN))
+    pool = _pool(args.worlds)
     equal = True
     for j, (w, i) in zip(pick.tolist(), keys, strict=True):
         want, got = check.episode(RUN, w, i), bulk_eps[j]
-        equal &= want.keys() == got.keys() and all(
-            want[k].dtype == got[k].dtype and want[k].shape == got[k].shape and
-            want[k].tobytes() == got[k].tobytes() for k in want)
+        steps = check.episode_rows(RUN, w, i)[TERM]["step"]
+        sent = [_stamped(pool, int(step)) for step in steps]
+        published = {f"{TERM}/{k}": np.stack([row[k][w] for row in sent]) for k in pool}
+        equal &= bool(len(steps)) and want.keys() == got.keys() == published.keys() and all(
+            want[k].dtype == got[k].dtype == published[k].dtype and
+            want[k].shape == got[k].shape == published[k].shape and
+            want[k].tobytes() == got[k].tobytes() == published[k].tobytes() for k in want)
     ds = EpisodeDataset(path, RUN)
     seen = 0
     for item in torch.utils.data.DataLoader(ds, batch_size=None, num_workers=args.workers):

@@ -202,7 +202,7 @@ class RunStore:
         self.location = location
         self._cache = _ChunkCache(cache_bytes)
         self._indexes: dict[str, _Index] = {}
-        self._arrays: dict[tuple[str, str, str], zarr.Array[Any]] = {}
+        self._arrays: dict[tuple[str, str, str], zarr.Array[Any]] = {}  # (run, term, node)
         try:
             self.root = zarr.open_group(open_store(location, read_only=True), mode="r")
             info = self.root.attrs.get("worldtap")
@@ -387,12 +387,11 @@ class RunStore:
             EpisodeNotFoundError: No committed episode ``(run, world, index)``.
             StoreDamagedError: Part of the episode is missing or corrupt in the store.
         """
-        out: dict[str, np.ndarray] = {}
-        for term, fields, read in self._episode_terms(run, world, index):
-            for name, spec in fields.items():
-                value = read(node_name(name))
-                out[f"{term}/{name}"] = _float32(value) if spec.get("dtype") == "bfloat16" else value
-        return out
+        # the bulk path for one episode: each array's chunks fetched at once (concurrently
+        # from an object store), the run's episode index read once per refresh
+        rows = self._locate(run, np.array([world], np.int64), np.array([index], np.int64))
+        data, offsets = self._gather(run, rows, self._fields(run, None), None, None)
+        return {name: values[offsets[name][0]:offsets[name][1]] for name, values in data.items()}
 
     def episode_rows(self, run: str, world: int, index: int) -> dict[str, dict[str, np.ndarray]]:
         """The row columns of one committed episode, read from the same rows as
@@ -406,64 +405,20 @@ class RunStore:
             EpisodeNotFoundError: No committed episode ``(run, world, index)``.
             StoreDamagedError: Part of the episode is missing or corrupt in the store.
         """
+        rows = self._locate(run, np.array([world], np.int64), np.array([index], np.int64))
+        topics = self._meta[run]["topics"]
+        data, _ = self._gather(run, rows, {t: [STEP_NODE, HOOK_NODE] for t in topics}, None, None,
+                               row_columns=True)
         out: dict[str, dict[str, np.ndarray]] = {}
-        for term, _, read in self._episode_terms(run, world, index):
-            codes = read(HOOK_NODE)
+        for term in topics:
+            if f"{term}/{STEP_NODE}" not in data:  # the term has no committed rows (no group)
+                continue
+            codes = data[f"{term}/{HOOK_NODE}"]
             if len(codes) and int(codes.max()) >= len(HOOKS):
                 raise StoreDamagedError(f"run {run!r}: term {term!r} holds hook code "
                                         f"{int(codes.max())}, the store knows {len(HOOKS)} hooks")
-            out[term] = {"step": read(STEP_NODE), "hook": np.asarray(HOOKS, dtype=object)[codes]}
+            out[term] = {"step": data[f"{term}/{STEP_NODE}"], "hook": np.asarray(HOOKS, dtype=object)[codes]}
         return out
-
-    def _episode_terms(self, run: str, world: int, index: int) -> Iterator[
-            tuple[str, dict[str, Any], Callable[[str], np.ndarray]]]:
-        """For each term of the run with committed rows: its name, its stored field specs, and
-        a reader of the episode's rows of a node of ``data/<term>/`` (its segments joined)."""
-        meta = self.info(run)
-        committed = meta["committed"]
-        n = int(committed["episodes"])
-        egroup = self._group(run, "episodes", n)
-        worlds = self._column(run, egroup, "world", n, "int64")
-        indices = self._column(run, egroup, "index", n, "int64")
-        hits = np.flatnonzero((worlds == world) & (indices == index))
-        if not len(hits):
-            raise EpisodeNotFoundError(f"run {run!r} has no committed episode with world={world} "
-                                       f"index={index} in store {self.location!r}")
-        row = int(hits[-1])
-        assert egroup is not None
-        start = int(self._read(run, egroup, "segment_start", row, row + 1)[0])
-        count = int(self._read(run, egroup, "segment_count", row, row + 1)[0])
-        n_seg = int(committed["segments"])
-        if start < 0 or count < 0 or start + count > n_seg:
-            raise StoreDamagedError(f"run {run!r}: episode row {row} points at segments "
-                                    f"{start}..{start + count}, {n_seg} are committed")
-        sgroup = self._group(run, "segments", n_seg)
-        segs = (np.stack([self._read(run, sgroup, c, start, start + count)
-                          for c in ("topic", "offset", "rows")], axis=1)
-                if count and sgroup is not None else np.zeros((0, 3), np.int64))
-        for code, term in enumerate(meta["topics"]):
-            mine = segs[segs[:, 0] == code].tolist()
-            rows = int(committed["rows"].get(term, 0))
-            tnode = meta.get("term_nodes", {}).get(term, node_name(term))
-            tgroup = self._group(run, f"data/{tnode}", rows)
-            if tgroup is None:
-                continue
-            for _, o, r in mine:
-                if o < 0 or r < 0 or o + r > rows:
-                    raise StoreDamagedError(f"run {run!r}: a segment of episode ({world}, {index}) "
-                                            f"covers rows {o}..{o + r} of term {term!r}, {rows} are "
-                                            f"committed")
-
-            def read(node: str, tgroup: zarr.Group = tgroup, mine: list[list[int]] = mine) -> np.ndarray:
-                pieces = [self._read(run, tgroup, node, int(o), int(o) + int(r)) for _, o, r in mine]
-                if pieces:
-                    return np.concatenate(pieces)
-                arr = tgroup.get(node)
-                shape = tuple(arr.shape[1:]) if isinstance(arr, zarr.Array) else ()
-                dtype = arr.dtype if isinstance(arr, zarr.Array) else np.dtype("int64")
-                return np.zeros((0, *shape), dtype)
-
-            yield term, dict(meta["fields"][term]), read
 
     # -- queries and bulk reads ------------------------------------------------------------
 
@@ -731,19 +686,19 @@ class RunStore:
                     out += counts[term] * arr.dtype.itemsize * int(np.prod(arr.shape[1:], dtype=np.int64))
         return out
 
-    def _array(self, run: str, term: str, name: str) -> zarr.Array[Any] | None:
-        """The array of field ``name`` of ``term``; ``None`` when the term holds no committed
-        rows and has no group.
+    def _array(self, run: str, term: str, name: str, *, node: str | None = None) -> zarr.Array[Any] | None:
+        """The array of field ``name`` of ``term`` (or of its node ``node``: a row column);
+        ``None`` when the term holds no committed rows and has no group.
 
         Raises:
             StoreDamagedError: The array or its group is missing though rows are committed, or
                 it is shorter than the committed rows.
         """
-        arr = self._arrays.get((run, term, name))
+        node = node_name(name) if node is None else node
+        arr = self._arrays.get((run, term, node))
         if arr is None:
             meta = self._meta[run]
             tnode = meta.get("term_nodes", {}).get(term, node_name(term))
-            node = node_name(name)
             where = f"runs/{self._nodes[run]}/data/{tnode}/{node}"
             rows = int(meta["committed"]["rows"].get(term, 0))
             group = self._group(run, f"data/{tnode}", rows)
@@ -761,14 +716,16 @@ class RunStore:
             if tuple(found.chunks[1:]) != tuple(found.shape[1:]) or found.shards is not None:
                 raise StoreFormatError(f"run {run!r}: array {where!r} is chunked {found.chunks} "
                                        f"(shape {found.shape}); a run store chunks rows only")
-            arr = self._arrays[run, term, name] = found
+            arr = self._arrays[run, term, node] = found
         return arr
 
     def _gather(self, run: str, rows: np.ndarray, terms: Mapping[str, Sequence[str]],
-                start: np.ndarray | None, stop: np.ndarray | None) -> tuple[dict[str, np.ndarray],
-                                                                           dict[str, np.ndarray]]:
+                start: np.ndarray | None, stop: np.ndarray | None, *,
+                row_columns: bool = False) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
         """The fields ``terms`` of episode rows ``rows`` (only rows ``[start[i], stop[i])`` of
-        episode ``i`` when given), concatenated, and their offsets.
+        episode ``i`` when given), concatenated, and their offsets; with ``row_columns``,
+        ``terms`` names row column nodes (:data:`STEP_NODE`, :data:`HOOK_NODE`) instead, read
+        as stored.
 
         Raises:
             StoreDamagedError: Part of an episode is missing or corrupt.
@@ -801,12 +758,12 @@ class RunStore:
             np.cumsum(np.bincount(who, count, minlength=len(rows)).astype(np.int64), out=offs[1:])
             src = _ranges(at, count)
             for name in terms[term]:
-                arr = self._array(run, term, name)
+                arr = self._array(run, term, name, node=name if row_columns else None)
                 if arr is None:
                     continue
                 value = self._take(run, arr, src)
-                spec = meta["fields"][term][name]
-                data[f"{term}/{name}"] = _float32(value) if spec.get("dtype") == "bfloat16" else value
+                bf16 = not row_columns and meta["fields"][term][name].get("dtype") == "bfloat16"
+                data[f"{term}/{name}"] = _float32(value) if bf16 else value
                 offsets[f"{term}/{name}"] = offs
         return data, offsets
 

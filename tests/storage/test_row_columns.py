@@ -24,7 +24,7 @@ from faulty_store import FaultyStore, fail_at
 from storage_sim import Sim, owned
 
 from broker import Batch, Broker, EpisodeEnd, Message
-from storage import RunStore, StoreDaemon
+from storage import RunStore, StoreDaemon, StoreDamagedError
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -183,3 +183,28 @@ def test_fields_named_step_and_hook_survive_a_failure_and_a_resume(tmp_path: Pat
         shapes = {name: arr.shape[0] for name, arr in group.arrays()}
         assert len(shapes) > 2, (term, shapes)
         assert set(shapes.values()) == {rows}, (term, shapes)
+
+
+def test_damaged_row_columns_raise_never_read_as_rows(tmp_path: Path) -> None:
+    """A hook code the store does not know, or a row column node that is gone, is damage:
+    ``episode_rows`` raises ``StoreDamagedError`` naming it, and never returns a row with a
+    made-up hook or no rows."""
+    messages = record(steps=16, seed=2)
+    daemon = StoreDaemon(tmp_path / "runs.zarr", commit_interval=0)
+    for m in messages:
+        daemon.handle(m)
+    daemon.close()
+    reader = RunStore(tmp_path / "runs.zarr")
+    table = reader.episodes("run-a")
+    key = next(k for k in zip(table["world"].tolist(), table["index"].tolist(), strict=True)
+               if len(reader.episode_rows("run-a", *k).get("obs", {"step": []})["step"]))
+    term = zarr.open_group(tmp_path / "runs.zarr", mode="r+")["runs/run-a/data/obs"]
+    assert isinstance(term, zarr.Group)
+    hooks = term["_hook"]
+    assert isinstance(hooks, zarr.Array)
+    hooks[:] = 200
+    with pytest.raises(StoreDamagedError, match="hook code 200"):
+        RunStore(tmp_path / "runs.zarr").episode_rows("run-a", *key)
+    del term["_step"]
+    with pytest.raises(StoreDamagedError, match="_step"):
+        RunStore(tmp_path / "runs.zarr").episode_rows("run-a", *key)
