@@ -12,7 +12,8 @@ inside the committed rows, or a run whose attributes cannot be read raise
 hides the others (:meth:`RunStore.damaged` lists the runs that cannot be opened).
 
 Bulk reads (:meth:`RunStore.read_batch`, :meth:`RunStore.read_episodes`) gather the segments of
-many episodes and read every chunk they touch once: the stored chunk bytes are fetched and
+many episodes and read every chunk they touch once (:meth:`RunStore.episode` and
+:meth:`RunStore.episode_rows` are the same path for one episode): the stored chunk bytes are fetched and
 decoded with the array's own codecs (checksum included) on plain threads where the store and
 codecs allow it (local directories, memory stores), through zarr's asynchronous store and codec
 pipeline otherwise (fsspec URLs), and each chunk's rows are copied straight to where they
@@ -188,8 +189,8 @@ class RunStore:
 
     Args:
         location: Local directory, fsspec URL, or a zarr store.
-        cache_bytes: Decoded chunks kept for the bulk reads (least recently used dropped
-            first; 0 keeps none).
+        cache_bytes: Decoded chunks kept for the reads of episodes (least recently used
+            dropped first; 0 keeps none).
 
     Raises:
         StoreFormatError: ``location`` is not a worldtap run store (of this layout version).
