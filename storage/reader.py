@@ -26,8 +26,12 @@ each chunk once; the cache is emptied by :meth:`RunStore.refresh`.
 from __future__ import annotations
 
 import asyncio
+import os
+import threading
+import typing
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -55,7 +59,30 @@ from .run_writer import read_meta
 __all__ = ["EpisodeBatch", "RunStore", "Table"]
 
 _CONCURRENCY = 32
-"""Chunk fetches in flight at once on zarr's asynchronous path (fsspec stores)."""
+"""Chunk fetches in flight at once on zarr's asynchronous path (fsspec stores), per array."""
+_ARRAYS_AT_ONCE = 8
+"""Arrays read at once on zarr's asynchronous path (see :meth:`RunStore._take_all`)."""
+_array_pool: ThreadPoolExecutor | None = None
+_array_pool_lock = threading.Lock()
+
+
+def _array_threads() -> ThreadPoolExecutor:
+    """The threads that read the arrays of an object store concurrently (not the chunk threads
+    of :func:`storage._columns._threads`, which a local read waits on)."""
+    global _array_pool
+    with _array_pool_lock:
+        if _array_pool is None:
+            _array_pool = ThreadPoolExecutor(_ARRAYS_AT_ONCE, thread_name_prefix="worldtap-read-arrays")
+        return _array_pool
+
+
+def _forget_array_threads() -> None:
+    """In a forked child (a DataLoader worker): the parent's threads do not exist there."""
+    global _array_pool, _array_pool_lock
+    _array_pool, _array_pool_lock = None, threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_array_threads)
 _EPISODE_OUT = ("run", "world", "index", "length", "success", "terminated", "truncated",
                 "end_step", "segments")
 
@@ -161,24 +188,28 @@ class _ChunkCache:
         self.capacity = capacity
         self.size = 0
         self.items: OrderedDict[tuple[str, int], np.ndarray] = OrderedDict()
+        self._lock = threading.Lock()  # the arrays of a read may be fetched on several threads
 
     def get(self, key: tuple[str, int]) -> np.ndarray | None:
-        value = self.items.get(key)
-        if value is not None:
-            self.items.move_to_end(key)
-        return value
+        with self._lock:
+            value = self.items.get(key)
+            if value is not None:
+                self.items.move_to_end(key)
+            return value
 
     def put(self, key: tuple[str, int], value: np.ndarray) -> None:
-        if value.nbytes > self.capacity or key in self.items:
-            return
-        self.items[key] = value
-        self.size += value.nbytes
-        while self.size > self.capacity:
-            self.size -= self.items.popitem(last=False)[1].nbytes
+        with self._lock:
+            if value.nbytes > self.capacity or key in self.items:
+                return
+            self.items[key] = value
+            self.size += value.nbytes
+            while self.size > self.capacity:
+                self.size -= self.items.popitem(last=False)[1].nbytes
 
     def clear(self) -> None:
-        self.items.clear()
-        self.size = 0
+        with self._lock:
+            self.items.clear()
+            self.size = 0
 
 
 class RunStore:
@@ -736,6 +767,7 @@ class RunStore:
         seg, owner = self._segments(run, rows)
         data: dict[str, np.ndarray] = {}
         offsets: dict[str, np.ndarray] = {}
+        jobs: list[tuple[str, zarr.Array[Any], np.ndarray, np.ndarray, bool]] = []
         for code, term in enumerate(meta["topics"]):
             if term not in terms:
                 continue
@@ -762,11 +794,46 @@ class RunStore:
                 arr = self._array(run, term, name, node=name if row_columns else None)
                 if arr is None:
                     continue
-                value = self._take(run, arr, src)
                 bf16 = not row_columns and meta["fields"][term][name].get("dtype") == "bfloat16"
-                data[f"{term}/{name}"] = _float32(value) if bf16 else value
-                offsets[f"{term}/{name}"] = offs
+                jobs.append((f"{term}/{name}", arr, src, offs, bf16))
+        values = self._take_all(run, [(arr, src) for _, arr, src, _, _ in jobs])
+        for (key, _, _, offs, bf16), value in zip(jobs, values, strict=True):
+            data[key] = _float32(value) if bf16 else value
+            offsets[key] = offs
         return data, offsets
+
+    def _take_all(self, run: str, jobs: Sequence[tuple[zarr.Array[Any], np.ndarray]]) -> list[np.ndarray]:
+        """:meth:`_take` of each ``(array, rows)``. Arrays read through zarr's asynchronous path
+        (object stores) are read concurrently, one thread each (up to :data:`_ARRAYS_AT_ONCE`),
+        so that a read costs about one round trip rather than one per array; arrays of a local
+        store (whose chunks are fetched and decoded on threads already) one after the other.
+
+        Raises:
+            StoreDamagedError: As :meth:`_take`, for the first damaged array in ``jobs`` order
+                (after every array's read has ended).
+        """
+        remote = [_sync_codecs(arr.async_array) is None for arr, _ in jobs]
+        if sum(remote) < 2:
+            return [self._take(run, arr, src) for arr, src in jobs]
+        pool = _array_threads()
+        futures = {i: pool.submit(self._take, run, arr, src)
+                   for i, ((arr, src), far) in enumerate(zip(jobs, remote, strict=True)) if far}
+        out: list[np.ndarray | BaseException] = []
+        for i, (arr, src) in enumerate(jobs):
+            if i in futures:
+                out.append(np.empty(0))  # filled below
+            else:
+                try:
+                    out.append(self._take(run, arr, src))
+                except StoreDamagedError as exc:
+                    out.append(exc)
+        for i, future in futures.items():
+            error = future.exception()  # waits for it
+            out[i] = error if error is not None else future.result()
+        for value in out:
+            if isinstance(value, BaseException):
+                raise value
+        return typing.cast(list[np.ndarray], out)
 
     def _take(self, run: str, arr: zarr.Array[Any], src: np.ndarray) -> np.ndarray:
         """Rows ``src`` of ``arr`` (in that order), each chunk they lie in read once.
