@@ -28,10 +28,9 @@ from __future__ import annotations
 import asyncio
 import os
 import threading
-import typing
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Any
 
@@ -818,22 +817,11 @@ class RunStore:
         pool = _array_threads()
         futures = {i: pool.submit(self._take, run, arr, src)
                    for i, ((arr, src), far) in enumerate(zip(jobs, remote, strict=True)) if far}
-        out: list[np.ndarray | BaseException] = []
-        for i, (arr, src) in enumerate(jobs):
-            if i in futures:
-                out.append(np.empty(0))  # filled below
-            else:
-                try:
-                    out.append(self._take(run, arr, src))
-                except StoreDamagedError as exc:
-                    out.append(exc)
-        for i, future in futures.items():
-            error = future.exception()  # waits for it
-            out[i] = error if error is not None else future.result()
-        for value in out:
-            if isinstance(value, BaseException):
-                raise value
-        return typing.cast(list[np.ndarray], out)
+        try:  # in jobs order: the first error raised is the first damaged array's
+            return [futures[i].result() if i in futures else self._take(run, arr, src)
+                    for i, (arr, src) in enumerate(jobs)]
+        finally:
+            wait(futures.values())
 
     def _take(self, run: str, arr: zarr.Array[Any], src: np.ndarray) -> np.ndarray:
         """Rows ``src`` of ``arr`` (in that order), each chunk they lie in read once.

@@ -135,6 +135,10 @@ def test_every_store_kind_and_fetch_path_reads_the_same(kind: str, built: Built,
             assert_same(batch.episode(i), reference[run][key] if reference else reader.episode(run, *key))
 
 
+CHUNK_KEY = re.compile(r"/c([./]\d+)+$")
+"""The end of a chunk's key (``.../c/0/0`` or ``.../c.0.0``): what is left is its array's."""
+
+
 class ReadCounting(zarr.storage.LocalStore):
     """A local store that counts the reads of each chunk key."""
 
@@ -142,7 +146,7 @@ class ReadCounting(zarr.storage.LocalStore):
 
     @classmethod
     def count(cls, key: str) -> None:
-        if re.search(r"/c([./]\d+)+$", key):
+        if CHUNK_KEY.search(key):
             cls.reads[key] += 1
 
     def get_sync(self, key: str, *args: Any, **kwargs: Any) -> Any:
@@ -157,9 +161,9 @@ class ReadCounting(zarr.storage.LocalStore):
 def test_episodes_read_one_at_a_time_fetch_each_chunk_once(built: Built) -> None:
     """``episode()`` and ``episode_rows()`` take the bulk path for one episode: the run's
     episode table is read once (until ``refresh``) and decoded chunks are cached, so reading
-    every episode of a run one at a time fetches each chunk of the store once. Bug caught: an ``episode()`` that reads the
-    episode table's columns again at every call (n episodes read the table n times: 42x slower
-    per episode on the read benchmark)."""
+    every episode of a run one at a time fetches each chunk of the store once. Bug caught: an
+    ``episode()`` that reads the episode table's columns again at every call (n episodes read
+    the table n times: 42x slower per episode on the read benchmark)."""
     reader = RunStore(ReadCounting(built.path, read_only=True))
     table = reader.episodes("run-a")
     ReadCounting.reads.clear()
@@ -180,7 +184,7 @@ class InFlight(zarr.storage.WrapperStore[Any]):
     peak: ClassVar[int] = 0
 
     async def get(self, key: str, *args: Any, **kwargs: Any) -> Any:
-        array = re.sub(r"/c([./]\d+)+$", "", key)
+        array = CHUNK_KEY.sub("", key)
         if array == key:  # metadata, not a chunk
             return await self._store.get(key, *args, **kwargs)
         InFlight.arrays[array] += 1
