@@ -46,9 +46,9 @@ from broker.messages import RESERVED_OUTCOMES
 from broker.schema import dtype_name, is_tensor
 
 from ._format import HOOKS, to_json
+from ._reading import _float32
 from .episode_buffers import DenseTopicBuffer, EpisodePacker, Segment, TopicBuffer
 from .errors import StorageError, StoreFormatError
-from .reader import _float32
 from .run_writer import RunWriter
 from .write_queue import RunWriteQueue
 

@@ -33,7 +33,8 @@ import torch
 from torch.utils.data import Dataset, IterableDataset, get_worker_info
 
 from ._format import StoreLocation
-from .reader import RunStore, Table, _ranges
+from ._reading import _ranges
+from .reader import RunStore, Table
 
 __all__ = ["EpisodeDataset", "IterableEpisodeDataset", "WindowDataset"]
 

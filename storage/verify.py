@@ -376,7 +376,7 @@ def _check_run(reader: Any, run: str, tick: Callable[[int], None]) -> RunReport:
 
 def _span_rows(offset: np.ndarray, rows: np.ndarray) -> np.ndarray:
     """The rows of every segment, concatenated."""
-    from .reader import _ranges
+    from ._reading import _ranges
 
     return _ranges(offset, rows)
 
