@@ -29,6 +29,14 @@ raw data stored: budget <= 1.2 in ``all`` mode) and ``amplification_vs_store`` =
 ``bytes_written / store_bytes`` (1.0: every byte of the final store written once, nothing
 rewritten). Use runs long enough for most episodes to end (``--episode-length``).
 
+Where the cores go (Linux): ``cpu_seconds_per_gb`` of the publisher process while it
+publishes, of the daemon process over its life, their sum (``e2e``) and, for each
+storage-only ceiling, of this process while it writes. ``cpu_bound_of_writer_ceiling`` is the
+writer's CPU per GB over the pipeline's: the fraction of the writer ceiling the pipeline can
+reach with the cores as busy as the writer alone kept them (``e2e_cores_busy`` says how busy
+the pipeline kept them). On a machine with few cores it bounds ``fraction_of_writer_ceiling``:
+the publisher's and the receiver's work take cores the writer alone had to itself.
+
 ``--writer-paths``: the storage-only ceilings to measure beside raw zarr-python's append:
 ``writer`` (the daemon's columns on its chunk threads), ``public`` (the same columns through
 zarr's public ``Array.__setitem__``), ``zarrs`` (that path with the ``zarrs`` Rust codec
@@ -196,8 +204,10 @@ ZARRS = "zarrs.ZarrsCodecPipeline"
 """zarr's ``codec_pipeline.path`` that selects the zarrs Rust pipeline."""
 
 
-def _zarr_ceiling(worlds: int, seconds: float, root: Path, args: Any, *, path: str = "append") -> float:
-    """Append 64 MB blocks of the payload to every field's array for ``seconds``; GB/s.
+def _zarr_ceiling(worlds: int, seconds: float, root: Path, args: Any, *,
+                  path: str = "append") -> tuple[float, float]:
+    """Append 64 MB blocks of the payload to every field's array for ``seconds``; GB/s and
+    the CPU seconds this process spent per GB (every thread: codecs, I/O, Python).
 
     ``path="append"``: raw zarr-python, ``AsyncArray.append`` of each field concurrently.
     ``path="writer"``: the daemon's own writer (:func:`storage._columns.write_columns`), the
@@ -246,14 +256,15 @@ def _zarr_ceiling(worlds: int, seconds: float, root: Path, args: Any, *, path: s
         finally:
             _zarr_io.sync_path(True)
         nbytes = sum(v.nbytes for v in block.values())
-        total, t0 = 0, time.monotonic()
+        total, t0, cpu0 = 0, time.monotonic(), time.process_time()
         while time.monotonic() - t0 < seconds:  # every field at once, as concurrent as it gets
             if path == "append":
                 append_all(pairs)
             else:
                 write_columns(columns, flush=False)
             total += nbytes
-        return total / (time.monotonic() - t0) / 1e9
+        cpu = time.process_time() - cpu0
+        return total / (time.monotonic() - t0) / 1e9, cpu / (total / 1e9)
     finally:
         shutil.rmtree(folder, ignore_errors=True)
 
@@ -394,6 +405,7 @@ def _pipeline(args: Any, root: Path, store: str) -> dict[str, Any]:
             # publishes, and the daemon process over its whole life (start-up included)
             "publisher_cpu_ms_per_step": 1e3 * summary["cpu_seconds"] / max(summary["steps"], 1),
             "daemon_cpu_ms_per_step": 1e3 * daemon_cpu / max(summary["steps"], 1),
+            "publisher_cpu_seconds": summary["cpu_seconds"], "daemon_cpu_seconds": daemon_cpu,
             "daemon_peak_rss_bytes": peak, "daemon_log_tail": daemon_log[-500:], **check,
             **_written(io_file, store, summary["bytes"], check["rows_checked"], args.worlds)}
 
@@ -596,6 +608,7 @@ def main() -> None:
     try:
         ceiling_s = max(0.3, min(5.0, args.seconds / 6))
         samples: dict[str, list[float]] = {"zmq": [], "zarr": [], **{p: [] for p in paths}}
+        cpu_samples: dict[str, list[float]] = {name: [] for name in samples if name != "zmq"}
         rng = random.Random(args.seed)
 
         def measure_ceilings(trials: int) -> None:
@@ -603,10 +616,13 @@ def main() -> None:
                 order = list(samples)
                 rng.shuffle(order)
                 for name in order:
-                    samples[name].append(
-                        _zmq_ceiling(args.worlds, ceiling_s) if name == "zmq" else
-                        _zarr_ceiling(args.worlds, ceiling_s, root, args,
-                                      path="append" if name == "zarr" else name))
+                    if name == "zmq":
+                        samples[name].append(_zmq_ceiling(args.worlds, ceiling_s))
+                        continue
+                    gb_s, cpu = _zarr_ceiling(args.worlds, ceiling_s, root, args,
+                                              path="append" if name == "zarr" else name)
+                    samples[name].append(gb_s)
+                    cpu_samples[name].append(cpu)
 
         # Half the ceiling trials before the pipeline and half after: a shared machine's
         # speed drifts, and the ratio should compare like with like.
@@ -621,7 +637,7 @@ def main() -> None:
     slower = min(ceilings["zmq"]["median"], ceilings["zarr"]["median"])
     budget_rss = args.memory_budget + 300 * 10**6
     case = {"worlds": args.worlds, "seconds": args.seconds, "store": args.store,
-            "daemon_writer": args.daemon_writer, **result,
+            "daemon_writer": args.daemon_writer, **result, **_cpu(result, cpu_samples),
             "ceiling_gb_per_s": ceilings, "slower_ceiling_gb_per_s": slower,
             "fraction_of_slower_ceiling": result["gb_per_s"] / slower,
             "fraction_of_writer_ceiling": result["gb_per_s"] / ceilings["writer"]["median"],
@@ -636,7 +652,8 @@ def main() -> None:
     headers = ["store", "daemon writer", "worlds", "steps/s", "e2e GB/s", "zmq GB/s", "zarr GB/s", "fraction",
                "writer GB/s", "of writer", *(f"{p} GB/s" for p in others), "stored field GB", "written GB",
                "store GB", "amplif.", "vs store", "peak RSS MB", "byte-equal", "pub CPU ms/step",
-               "daemon CPU ms/step"]
+               "daemon CPU ms/step", "CPU s/GB e2e", "CPU s/GB writer", "CPU bound of writer",
+               "cores busy e2e"]
     row = [args.store, args.daemon_writer, args.worlds, result["steps_per_s"], result["gb_per_s"],
            ceilings["zmq"]["median"], ceilings["zarr"]["median"],
            case["fraction_of_slower_ceiling"], ceilings["writer"]["median"],
@@ -645,11 +662,31 @@ def main() -> None:
            result["store_bytes"] / 1e9, "-" if result["amplification"] is None else result["amplification"],
            "-" if result["amplification_vs_store"] is None else result["amplification_vs_store"],
            result["daemon_peak_rss_bytes"] / 1e6, result["byte_equal"],
-           result.get("publisher_cpu_ms_per_step", "-"), result.get("daemon_cpu_ms_per_step", "-")]
+           result.get("publisher_cpu_ms_per_step", "-"), result.get("daemon_cpu_ms_per_step", "-"),
+           case.get("cpu_seconds_per_gb", {}).get("e2e", "-"), case.get("cpu_seconds_per_gb", {}).get("writer", "-"),
+           case.get("cpu_bound_of_writer_ceiling", "-"), case.get("e2e_cores_busy", "-")]
     if args.publishers is not None:
         headers, row = ["publishers", *headers, "complete"], [args.publishers, *row, result["runs_complete"]]
     print(table(headers, [row]))
 
+
+
+def _cpu(result: dict[str, Any], cpu_samples: dict[str, list[float]]) -> dict[str, Any]:
+    """Where the cores went, per GB published: the end-to-end pipeline (its publisher while it
+    published, the daemon over its life) against each storage-only ceiling (this process while
+    it wrote). With the cores equally busy, the pipeline can reach at most the writer's CPU per
+    GB over its own of the writer ceiling (``cpu_bound_of_writer_ceiling``): on a machine with
+    few cores the publisher's and the receiver's work shares the cores the writer alone had."""
+    if "daemon_cpu_seconds" not in result:  # --publishers: the proxy's and publishers' cores are not counted
+        return {}
+    gb = result["bytes"] / 1e9
+    pub, daemon = result["publisher_cpu_seconds"] / gb, result["daemon_cpu_seconds"] / gb
+    per_gb = {"publisher": pub, "daemon": daemon, "e2e": pub + daemon,
+              **{name: stats(v)["median"] for name, v in cpu_samples.items()}}
+    return {"cpu_seconds_per_gb": per_gb,
+            "cpu_bound_of_writer_ceiling": per_gb["writer"] / per_gb["e2e"],
+            "e2e_cores_busy": (result["publisher_cpu_seconds"] + result["daemon_cpu_seconds"]) /
+            result["e2e_seconds"]}
 
 
 def argparse_hidden() -> str:

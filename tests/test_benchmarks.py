@@ -71,6 +71,18 @@ def test_benchmark_smoke(name: str, tmp_path: Path) -> None:
                 assert threads["worldtap"]["publisher"]["main"] > 0
                 assert threads["worldtap"]["receiver"]["main"] > 0
         assert set(doc["copy_floor_ratios"]) == set(doc["ratios"])
+    if name == "pipeline":
+        case = doc["cases"][0]
+        assert case["byte_equal"] is True
+        per_gb = case["cpu_seconds_per_gb"]
+        assert {"publisher", "daemon", "e2e", "writer", "zarr"} <= set(per_gb)
+        assert per_gb["e2e"] == pytest.approx(per_gb["publisher"] + per_gb["daemon"])
+        assert per_gb["writer"] > 0
+        assert per_gb["publisher"] > 0
+        if sys.platform == "linux":  # the daemon's CPU comes from /proc
+            assert per_gb["daemon"] > 0
+            assert 0 < case["cpu_bound_of_writer_ceiling"] == pytest.approx(per_gb["writer"] / per_gb["e2e"])
+            assert case["e2e_cores_busy"] > 0
     if name == "read":
         case = doc["cases"][0]
         assert case["byte_equal"] is True
