@@ -73,18 +73,27 @@ class _ChunkCache:
             self.size = 0
 
 
+def _local(store: Any) -> bool:
+    """Whether ``store`` (a zarr store) can be read without zarr's event loop (local
+    directories and memory stores); object stores cannot, and are read concurrently."""
+    if not SYNC_PATH:
+        return False
+    from zarr.abc.store import SupportsGetSync
+
+    return isinstance(store, SupportsGetSync)
+
+
 def _sync_codecs(aa: Any) -> tuple[Any, ...] | None:
     """The codecs of array ``aa`` (a ``zarr.AsyncArray``) in encoding order, when its chunks
     can be fetched and decoded without the event loop (zarr's synchronous store and codec
     protocols: local directories and memory stores); ``None`` otherwise."""
-    if not SYNC_PATH:
+    if not _local(aa.store_path.store):
         return None
     from zarr.abc.codec import SupportsSyncCodec
-    from zarr.abc.store import SupportsGetSync
     from zarr.core.codec_pipeline import BatchedCodecPipeline
 
     pipeline = aa.codec_pipeline
-    if not (isinstance(pipeline, BatchedCodecPipeline) and isinstance(aa.store_path.store, SupportsGetSync)):
+    if not isinstance(pipeline, BatchedCodecPipeline):
         return None
     codecs = (*pipeline.array_array_codecs, pipeline.array_bytes_codec, *pipeline.bytes_bytes_codecs)
     return codecs if all(isinstance(c, SupportsSyncCodec) for c in codecs) else None

@@ -20,7 +20,13 @@ pipeline otherwise (fsspec URLs), and each chunk's rows are copied straight to w
 belong in the output. A chunk missing inside the committed rows raises
 :class:`storage.StoreDamagedError` there too. Decoded chunks are kept in a small cache (least
 recently used out, ``cache_bytes``), so reading episodes one by one in storage order decodes
-each chunk once; the cache is emptied by :meth:`RunStore.refresh`.
+each chunk once; the cache is emptied by :meth:`RunStore.refresh`. A run's episode table is
+read once per refresh too.
+
+On an object store, what can be read at once is: the runs' attributes when the reader opens,
+the columns of a table, the arrays a first read opens and the arrays a read fetches (up to
+:data:`storage._reading._ARRAYS_AT_ONCE` at a time), so a read costs a few round trips
+whatever the number of fields.
 """
 
 from __future__ import annotations
@@ -56,6 +62,7 @@ from ._reading import (
     _find,
     _float32,
     _keys,
+    _local,
     _locate,
     _missing_chunks,
     _ranges,
@@ -69,6 +76,10 @@ __all__ = ["EpisodeBatch", "RunStore", "Table"]
 
 _CONCURRENCY = 32
 """Chunk fetches in flight at once on zarr's asynchronous path (fsspec stores), per array."""
+_EPISODE_COLUMNS: dict[str, str] = {
+    **dict.fromkeys(("world", "index", "length", "end_step", "end_seq", "segment_start", "segment_count"), "int64"),
+    **dict.fromkeys(("success", "terminated", "truncated"), "bool")}
+"""The episode table's columns (``runs/<run>/episodes/``) besides the outcomes, and their dtypes."""
 _EPISODE_OUT = ("run", "world", "index", "length", "success", "terminated", "truncated",
                 "end_step", "segments")
 
@@ -189,6 +200,7 @@ class RunStore:
         self._cache = _ChunkCache(cache_bytes)
         self._indexes: dict[str, _Index] = {}
         self._arrays: dict[tuple[str, str, str], zarr.Array[Any]] = {}  # (run, term, node)
+        self._episode_tables: dict[str, dict[str, np.ndarray]] = {}  # run -> its episode table's columns
         try:
             self.root = zarr.open_group(open_store(location, read_only=True), mode="r")
             info = self.root.attrs.get("worldtap")
@@ -211,20 +223,37 @@ class RunStore:
         self._cache.clear()
         self._indexes.clear()
         self._arrays.clear()
+        self._episode_tables.clear()
         self._meta.clear()
         self._nodes.clear()
         self._damaged.clear()
         runs = self.root.get("runs")
         if not isinstance(runs, zarr.Group):
             return
-        for node in child_nodes(runs):
-            try:
-                group = runs.get(node)
-                if not isinstance(group, zarr.Group):
-                    raise StoreDamagedError(f"runs/{node} is not a group")
-                meta = read_meta(group, node)
-            except Exception as exc:  # that run only: the others stay readable
-                self._damaged[node] = str(exc) if isinstance(exc, StorageError) else repr(exc)
+
+        def open_run(node: str) -> dict[str, Any] | None:
+            group = runs.get(node)
+            if not isinstance(group, zarr.Group):
+                raise StoreDamagedError(f"runs/{node} is not a group")
+            return read_meta(group, node)
+
+        nodes = child_nodes(runs)
+        if len(nodes) > 1 and not _local(self.root.store):  # each run's attributes at once
+            futures = [_array_threads().submit(open_run, node) for node in nodes]
+            wait(futures)
+            opened = [(f.exception(), None if f.exception() else f.result()) for f in futures]
+        else:
+            opened = []
+            for node in nodes:
+                try:
+                    opened.append((None, open_run(node)))
+                except Exception as exc:
+                    opened.append((exc, None))
+        for node, (failure, meta) in zip(nodes, opened, strict=True):
+            if failure is not None and not isinstance(failure, Exception):
+                raise failure
+            if failure is not None:  # that run only: the others stay readable
+                self._damaged[node] = str(failure) if isinstance(failure, StorageError) else repr(failure)
                 continue
             if meta is None:  # a run being created: nothing committed
                 continue
@@ -328,10 +357,41 @@ class RunStore:
             raise StoreDamagedError(f"run {run!r}: array {where!r} rows {start}..{stop} cannot be "
                                     f"read: {exc!r}") from exc
 
-    def _column(self, run: str, group: zarr.Group | None, name: str, n: int, dtype: str) -> np.ndarray:
+    def _columns(self, run: str, path: str, n: int, dtypes: Mapping[str, str]) -> dict[str, np.ndarray]:
+        """The first ``n`` rows of the columns ``dtypes`` (name -> dtype when empty) of table
+        ``runs/<run>/<path>``. On an object store the columns are read at once (one thread
+        each, up to :data:`storage._reading._ARRAYS_AT_ONCE`): a table costs about one round
+        trip per step of the read, not one per column.
+
+        Raises:
+            StoreDamagedError: As :meth:`_read`, for the first damaged column in ``dtypes``
+                order (after every column's read has ended).
+        """
+        group = self._group(run, path, n)
         if group is None or n == 0:
-            return np.zeros(0, dtype)
-        return self._read(run, group, name, 0, n)
+            return {name: np.zeros(0, dtype) for name, dtype in dtypes.items()}
+        if len(dtypes) < 2 or _local(group.store_path.store):
+            return {name: self._read(run, group, name, 0, n) for name in dtypes}
+        futures = {name: _array_threads().submit(self._read, run, group, name, 0, n) for name in dtypes}
+        try:  # in column order: the first error raised is the first damaged column's
+            return {name: future.result() for name, future in futures.items()}
+        finally:
+            wait(futures.values())
+
+    def _episode_table(self, run: str) -> dict[str, np.ndarray]:
+        """Every committed column of ``run``'s episode table, by its node name (outcomes too),
+        read once per :meth:`refresh`: the episode list, the index of :meth:`episode` and
+        the bulk reads, and :meth:`variation_table` share it. Never mutate the result."""
+        table = self._episode_tables.get(run)
+        if table is None:
+            n = int(self.info(run)["committed"]["episodes"])
+            outcomes: dict[str, str] = self._meta[run].get("outcomes", {})
+            table = self._columns(run, "episodes", n, {**_EPISODE_COLUMNS,
+                                                       **dict.fromkeys(outcomes.values(), "float64")})
+            for column in table.values():
+                column.flags.writeable = False
+            self._episode_tables[run] = table
+        return table
 
     def episodes(self, run: str | None = None, **equal: Any) -> Table:
         """The committed episodes of ``run`` (all runs when ``None``), optionally filtered by
@@ -340,14 +400,12 @@ class RunStore:
         sorted by name; NaN where an episode lacks one)."""
         parts = []
         for r in [run] if run is not None else self.runs():
-            n = int(self.info(r)["committed"]["episodes"])
-            group = self._group(r, "episodes", n)
-            cols: dict[str, np.ndarray] = {"run": np.full(n, r, dtype=object)}
-            for c, dt in (("world", "int64"), ("index", "int64"), ("length", "int64"),
-                          ("success", "bool"), ("terminated", "bool"), ("truncated", "bool"),
-                          ("end_step", "int64"), ("segment_count", "int64")):
-                cols["segments" if c == "segment_count" else c] = self._column(r, group, c, n, dt)
-            cols.update(self._outcomes(r, group, n))
+            stored = self._episode_table(r)
+            cols: dict[str, np.ndarray] = {"run": np.full(len(stored["world"]), r, dtype=object)}
+            for c in ("world", "index", "length", "success", "terminated", "truncated", "end_step",
+                      "segment_count"):
+                cols["segments" if c == "segment_count" else c] = stored[c]
+            cols.update(self._outcomes(r))
             parts.append(cols)
         names = sorted({c for p in parts for c in p} - set(_EPISODE_OUT))
         if not parts:
@@ -356,10 +414,11 @@ class RunStore:
                        for c in (*_EPISODE_OUT, *names)})
         return table.filter(**equal) if equal else table
 
-    def _outcomes(self, run: str, group: zarr.Group | None, n: int) -> dict[str, np.ndarray]:
-        """The stored outcome columns of ``run``'s first ``n`` episodes, by name."""
+    def _outcomes(self, run: str) -> dict[str, np.ndarray]:
+        """The stored outcome columns of ``run``'s committed episodes, by name."""
         stored: dict[str, str] = self._meta[run].get("outcomes", {})
-        return {name: self._column(run, group, node, n, "float64") for name, node in sorted(stored.items())}
+        table = self._episode_table(run)
+        return {name: table[node] for name, node in sorted(stored.items())}
 
     def episode(self, run: str, world: int, index: int) -> dict[str, np.ndarray]:
         """Every field of one committed episode, read back whole (fragments concatenated).
@@ -577,13 +636,9 @@ class RunStore:
         """The run's committed episode and segment tables (read once per :meth:`refresh`)."""
         index = self._indexes.get(run)
         if index is None:
-            committed = self.info(run)["committed"]
-            n, n_seg = int(committed["episodes"]), int(committed["segments"])
-            egroup = self._group(run, "episodes", n)
-            sgroup = self._group(run, "segments", n_seg)
-            ep = {c: self._column(run, egroup, c, n, "int64")
-                  for c in ("world", "index", "segment_start", "segment_count")}
-            seg = {c: self._column(run, sgroup, c, n_seg, "int64") for c in ("topic", "offset", "rows")}
+            n_seg = int(self.info(run)["committed"]["segments"])
+            ep = self._episode_table(run)
+            seg = self._columns(run, "segments", n_seg, dict.fromkeys(("topic", "offset", "rows"), "int64"))
             keys = _keys(ep["world"], ep["index"])
             order = np.argsort(keys, kind="stable")
             index = _Index(ep["world"], ep["index"], keys[order], order, ep["segment_start"],
@@ -705,6 +760,25 @@ class RunStore:
             arr = self._arrays[run, term, node] = found
         return arr
 
+    def _open_arrays(self, run: str, wanted: Sequence[tuple[str, str, str | None]]) -> None:
+        """Open the arrays ``(term, name, node)`` of :meth:`_array` not yet open, at once on an
+        object store (one thread each, up to :data:`storage._reading._ARRAYS_AT_ONCE`), so
+        that a first read opens them in about one round trip, not one per array.
+
+        Raises:
+            StoreDamagedError: As :meth:`_array`, for the first of ``wanted`` that fails
+                (after every array's opening has ended).
+        """
+        todo = [w for w in wanted if (run, w[0], node_name(w[1]) if w[2] is None else w[2]) not in self._arrays]
+        if len(todo) < 2 or _local(self.root.store):
+            return  # opened one by one where they are read
+        futures = [_array_threads().submit(self._array, run, term, name, node=node) for term, name, node in todo]
+        try:  # in order: the first error raised is the first array's that failed
+            for future in futures:
+                future.result()
+        finally:
+            wait(futures)
+
     def _gather(self, run: str, rows: np.ndarray, terms: Mapping[str, Sequence[str]],
                 start: np.ndarray | None, stop: np.ndarray | None, *,
                 row_columns: bool = False) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
@@ -718,6 +792,8 @@ class RunStore:
         """
         idx = self._index(run)
         meta = self._meta[run]
+        self._open_arrays(run, [(term, name, name if row_columns else None) for term in meta["topics"]
+                                if term in terms for name in terms[term]])
         seg, owner = self._segments(run, rows)
         data: dict[str, np.ndarray] = {}
         offsets: dict[str, np.ndarray] = {}
@@ -945,10 +1021,9 @@ class RunStore:
         numbers that never arrived."""
         meta = self.info(run)
         n = int(meta["committed"]["gaps"])
-        group = self._group(run, "gaps", n)
-        cols = {c: self._column(run, group, c, n, "int64") for c in ("expected", "received", "source")}
+        cols = self._columns(run, "gaps", n, dict.fromkeys(("expected", "received", "source", "topic"), "int64"))
         names = np.asarray(meta.get("gap_topics", []) or [""], dtype=object)
-        codes = self._column(run, group, "topic", n, "int64")
+        codes = cols.pop("topic")
         if len(codes) and (codes.min() < 0 or codes.max() >= len(names)):
             raise StoreDamagedError(f"run {run!r}: gap topic codes out of range")
         cols["topic"] = names[codes]
@@ -962,9 +1037,9 @@ class RunStore:
             raise KeyError(f"run {run!r} has no variation {key!r}; "
                            f"variations: {sorted(meta['variations'])}")
         n = int(meta["committed"]["variations"].get(key, 0))
-        group = self._group(run, f"variations/{meta['variations'][key]['node']}", n)
-        cols = {c: self._column(run, group, c, n, "int64") for c in ("world", "episode", "step", "seq")}
-        value = self._column(run, group, "value", n, "float64")
+        cols = self._columns(run, f"variations/{meta['variations'][key]['node']}", n,
+                             {**dict.fromkeys(("world", "episode", "step", "seq"), "int64"), "value": "float64"})
+        value = cols.pop("value")
         if meta["variations"][key]["field"]["dtype"] == "bfloat16" and len(value):
             value = _float32(value)
         cols["value"] = value
@@ -998,13 +1073,10 @@ class RunStore:
                         r, seq, int(s["step"][m][0]), key, vmeta["phase"],
                         torch.from_numpy(s["world"][m]), torch.from_numpy(s["episode"][m]),
                         torch.from_numpy(np.ascontiguousarray(s["value"][m])), labels)))
-            n = int(meta["committed"]["episodes"])
-            group = self._group(r, "episodes", n)
-            cols = {c: self._column(r, group, c, n, "int64") for c in ("world", "index", "length",
-                                                                       "end_step", "end_seq")}
-            flags = {c: self._column(r, group, c, n, "bool") for c in ("success", "terminated",
-                                                                       "truncated")}
-            outcomes = self._outcomes(r, group, n)
+            stored = self._episode_table(r)
+            cols = {c: stored[c] for c in ("world", "index", "length", "end_step", "end_seq")}
+            flags = {c: stored[c] for c in ("success", "terminated", "truncated")}
+            outcomes = self._outcomes(r)
             for seq in np.unique(cols["end_seq"]).tolist():
                 m = cols["end_seq"] == seq
                 t = {k: torch.from_numpy(v[m]) for k, v in {**cols, **flags}.items()}
