@@ -1,21 +1,28 @@
-"""The reader's chunk machinery and array helpers: the cache of decoded chunks, the threads
-that read an object store's arrays at once, which arrays may skip zarr's event loop, and the
-index arithmetic of segments and keys (:mod:`storage.reader` and the modules reading a store
-with it use them)."""
+"""The reader's chunk machinery and array helpers: the cache of decoded chunks, the fetching
+and decoding of chunks, the threads that read an object store's arrays at once, which stores
+and arrays may skip zarr's event loop, and the index arithmetic of segments and keys
+(:mod:`storage.reader` and the modules reading a store with it use them)."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import threading
 from collections import OrderedDict
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
 import zarr
+from zarr.buffer import default_buffer_prototype
+from zarr.core.sync import sync
 
-from ._columns import SYNC_PATH
+from ._columns import SYNC_PATH, _threads
+from .errors import StoreDamagedError
 
+_CONCURRENCY = 32
+"""Chunk fetches in flight at once on zarr's asynchronous path (fsspec stores), per array."""
 _ARRAYS_AT_ONCE = 8
 """Arrays read at once on zarr's asynchronous path (see :meth:`RunStore._take_all`)."""
 _array_pool: ThreadPoolExecutor | None = None
@@ -189,3 +196,76 @@ def _missing_chunks(arr: zarr.Array[Any], start: int, stop: int) -> list[int]:
 
     found = sync(check())
     return [i for (i, _), ok in zip(keys, found, strict=True) if not ok]
+
+
+def _fetch(run: str, arr: zarr.Array[Any], chunk_ids: list[int],
+           place: Callable[[int, np.ndarray], None]) -> list[np.ndarray]:
+    """Fetch and decode row chunks ``chunk_ids`` of ``arr``, calling ``place(i, chunk)``
+    for chunk ``chunk_ids[i]`` as soon as it is decoded (on the fetching threads: each
+    call must touch only its own part of the output); returns the decoded chunks.
+
+    Raises:
+        StoreDamagedError: A chunk is missing or fails to decode (its checksum included).
+    """
+    aa = arr.async_array
+    store = aa.store_path.store
+    prefix = f"{aa.store_path.path}/" if aa.store_path.path else ""
+    rest = (0,) * (len(arr.shape) - 1)
+    keys = [prefix + aa.metadata.encode_chunk_key((i, *rest)) for i in chunk_ids]
+    proto = default_buffer_prototype()
+    spec = aa.metadata.get_chunk_spec((0, *rest), aa.config, proto)
+    where = arr.path
+    chunks: list[np.ndarray | None] = [None] * len(keys)
+    missing: list[int] = []
+    codecs = _sync_codecs(aa)
+    if codecs is not None:
+        stages = []
+        for codec in codecs:
+            stages.append((codec, spec))
+            spec = codec.resolve_metadata(spec)
+
+        getter: Any = store
+
+        def work(i: int) -> None:
+            data: Any = getter.get_sync(keys[i], prototype=proto)
+            if data is None:
+                missing.append(chunk_ids[i])
+                return
+            for codec, s in reversed(stages):
+                data = codec._decode_sync(data, s)
+            chunk = data.as_numpy_array()
+            place(i, chunk)
+            chunks[i] = chunk
+
+        futures = [_threads().submit(work, i) for i in range(len(keys))]
+        errors = [exc for f in futures if (exc := f.exception()) is not None]
+    else:
+        async def fetch() -> list[Any]:
+            gate = asyncio.Semaphore(_CONCURRENCY)
+
+            async def one(key: str) -> Any:
+                async with gate:
+                    return await store.get(key, prototype=proto)
+
+            return list(await asyncio.gather(*(one(k) for k in keys)))
+
+        errors = []
+        try:
+            found = sync(fetch())
+            missing = [chunk_ids[i] for i, data in enumerate(found) if data is None]
+            if not missing:
+                decoded = sync(aa.codec_pipeline.decode([(data, spec) for data in found]))
+                for i, chunk in enumerate(decoded):
+                    if chunk is None:
+                        raise ValueError(f"chunk {chunk_ids[i]} decoded to nothing")
+                    value = chunks[i] = chunk.as_numpy_array()
+                    place(i, value)
+        except Exception as exc:
+            errors = [exc]
+    if missing:
+        raise StoreDamagedError(f"run {run!r}: array {where!r} lacks chunk(s) {sorted(missing)[:5]} "
+                                f"of its committed rows")
+    if errors:
+        raise StoreDamagedError(f"run {run!r}: array {where!r} chunk(s) cannot be read: "
+                                f"{errors[0]!r}") from errors[0]
+    return [c for c in chunks if c is not None]

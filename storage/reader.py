@@ -31,7 +31,6 @@ whatever the number of fields.
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import wait
 from dataclasses import dataclass
@@ -39,10 +38,7 @@ from typing import Any
 
 import numpy as np
 import zarr
-from zarr.buffer import default_buffer_prototype
-from zarr.core.sync import sync
 
-from ._columns import _threads
 from ._format import (
     FORMAT,
     FORMAT_VERSION,
@@ -59,6 +55,7 @@ from ._reading import (
     _array_threads,
     _before,
     _ChunkCache,
+    _fetch,
     _find,
     _float32,
     _keys,
@@ -74,8 +71,6 @@ from .run_writer import read_meta
 
 __all__ = ["EpisodeBatch", "RunStore", "Table"]
 
-_CONCURRENCY = 32
-"""Chunk fetches in flight at once on zarr's asynchronous path (fsspec stores), per array."""
 _EPISODE_COLUMNS: dict[str, str] = {
     **dict.fromkeys(("world", "index", "length", "end_step", "end_seq", "segment_start", "segment_count"), "int64"),
     **dict.fromkeys(("success", "terminated", "truncated"), "bool")}
@@ -893,82 +888,10 @@ class RunStore:
             else:
                 place(k, cached)
         wanted = [int(ids[k]) for k in todo]
-        fetched = self._fetch(run, arr, wanted, lambda i, chunk: place(todo[i], chunk)) if todo else []
+        fetched = _fetch(run, arr, wanted, lambda i, chunk: place(todo[i], chunk)) if todo else []
         for chunk_id, chunk in zip(wanted, fetched, strict=True):
             self._cache.put((where, chunk_id), chunk)
         return out
-
-    def _fetch(self, run: str, arr: zarr.Array[Any], chunk_ids: list[int],
-               place: Callable[[int, np.ndarray], None]) -> list[np.ndarray]:
-        """Fetch and decode row chunks ``chunk_ids`` of ``arr``, calling ``place(i, chunk)``
-        for chunk ``chunk_ids[i]`` as soon as it is decoded (on the fetching threads: each
-        call must touch only its own part of the output); returns the decoded chunks.
-
-        Raises:
-            StoreDamagedError: A chunk is missing or fails to decode (its checksum included).
-        """
-        aa = arr.async_array
-        store = aa.store_path.store
-        prefix = f"{aa.store_path.path}/" if aa.store_path.path else ""
-        rest = (0,) * (len(arr.shape) - 1)
-        keys = [prefix + aa.metadata.encode_chunk_key((i, *rest)) for i in chunk_ids]
-        proto = default_buffer_prototype()
-        spec = aa.metadata.get_chunk_spec((0, *rest), aa.config, proto)
-        where = arr.path
-        chunks: list[np.ndarray | None] = [None] * len(keys)
-        missing: list[int] = []
-        codecs = _sync_codecs(aa)
-        if codecs is not None:
-            stages = []
-            for codec in codecs:
-                stages.append((codec, spec))
-                spec = codec.resolve_metadata(spec)
-
-            getter: Any = store
-
-            def work(i: int) -> None:
-                data: Any = getter.get_sync(keys[i], prototype=proto)
-                if data is None:
-                    missing.append(chunk_ids[i])
-                    return
-                for codec, s in reversed(stages):
-                    data = codec._decode_sync(data, s)
-                chunk = data.as_numpy_array()
-                place(i, chunk)
-                chunks[i] = chunk
-
-            futures = [_threads().submit(work, i) for i in range(len(keys))]
-            errors = [exc for f in futures if (exc := f.exception()) is not None]
-        else:
-            async def fetch() -> list[Any]:
-                gate = asyncio.Semaphore(_CONCURRENCY)
-
-                async def one(key: str) -> Any:
-                    async with gate:
-                        return await store.get(key, prototype=proto)
-
-                return list(await asyncio.gather(*(one(k) for k in keys)))
-
-            errors = []
-            try:
-                found = sync(fetch())
-                missing = [chunk_ids[i] for i, data in enumerate(found) if data is None]
-                if not missing:
-                    decoded = sync(aa.codec_pipeline.decode([(data, spec) for data in found]))
-                    for i, chunk in enumerate(decoded):
-                        if chunk is None:
-                            raise ValueError(f"chunk {chunk_ids[i]} decoded to nothing")
-                        value = chunks[i] = chunk.as_numpy_array()
-                        place(i, value)
-            except Exception as exc:
-                errors = [exc]
-        if missing:
-            raise StoreDamagedError(f"run {run!r}: array {where!r} lacks chunk(s) {sorted(missing)[:5]} "
-                                    f"of its committed rows")
-        if errors:
-            raise StoreDamagedError(f"run {run!r}: array {where!r} chunk(s) cannot be read: "
-                                    f"{errors[0]!r}") from errors[0]
-        return [c for c in chunks if c is not None]
 
     def check_chunks(self, run: str, arr: zarr.Array[Any], chunk_ids: Sequence[int],
                      place: Callable[[int, np.ndarray], None] | None = None, *,
@@ -996,7 +919,7 @@ class RunStore:
                 if place is not None:
                     place(part[i], chunk)
 
-            self._fetch(run, arr, part, put)
+            _fetch(run, arr, part, put)
 
         for a in range(0, len(ids), batch):
             part = ids[a:a + batch]
