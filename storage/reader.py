@@ -990,23 +990,31 @@ class RunStore:
                 s = self.variation_samples(r, key)
                 labels = from_json(vmeta["labels"])
                 labels = tuple(labels) if labels is not None else None
-                for seq in np.unique(s["seq"]).tolist():
-                    m = s["seq"] == seq
+                for seq, m in _groups(s["seq"]):
                     events.append((seq, 0, VariationSample(
-                        r, seq, int(s["step"][m][0]), key, vmeta["phase"],
+                        r, seq, int(s["step"][m[0]]), key, vmeta["phase"],
                         torch.from_numpy(s["world"][m]), torch.from_numpy(s["episode"][m]),
                         torch.from_numpy(np.ascontiguousarray(s["value"][m])), labels)))
             stored = self._episode_table(r)
             cols = {c: stored[c] for c in ("world", "index", "length", "end_step", "end_seq")}
             flags = {c: stored[c] for c in ("success", "terminated", "truncated")}
             outcomes = self._outcomes(r)
-            for seq in np.unique(cols["end_seq"]).tolist():
-                m = cols["end_seq"] == seq
+            for seq, m in _groups(cols["end_seq"]):
                 t = {k: torch.from_numpy(v[m]) for k, v in {**cols, **flags}.items()}
-                events.append((seq, 1, EpisodeEnd(r, seq, int(cols["end_step"][m][0]),
+                events.append((seq, 1, EpisodeEnd(r, seq, int(cols["end_step"][m[0]]),
                                                   t["world"], t["index"], t["success"],
                                                   t["terminated"], t["truncated"], t["length"],
                                                   outcomes={k: torch.from_numpy(v[m]) for k, v in outcomes.items()})))
             for _, _, message in sorted(events, key=lambda e: (e[0], e[1])):
                 table(message)
         return table
+
+
+def _groups(column: np.ndarray) -> Iterator[tuple[int, np.ndarray]]:
+    """Each distinct value of int64 ``column`` (ascending) and the positions that hold it (in
+    column order): one sort, where a mask per value would pass over the column once per value."""
+    order = np.argsort(column, kind="stable")
+    values, starts = np.unique(column[order], return_index=True)
+    bounds = np.r_[starts, len(column)]
+    for k, value in enumerate(values.tolist()):
+        yield value, order[bounds[k]:bounds[k + 1]]
