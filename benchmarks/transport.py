@@ -19,7 +19,9 @@ I/O threads, pyzmq's garbage collector of zero-copy frames), and a lossless chec
 sequence number received, adler32 checksums of randomized batches equal on both sides).
 Budgets: >= 0.8 of raw throughput at 4096 worlds and >= 0.7 at 256 (every transport); publish
 <= 2x memcpy at 4096 worlds. The copy floor's own share of raw (``copy_floor_of_raw``) says how
-much of a budget the copy alone takes on the machine at hand.
+much of a budget the copy alone takes on the machine at hand, and ``cpu_bound_of_raw`` (raw's
+CPU per message over worldtap's, both processes) the ratio worldtap can reach where the cores
+are the limit.
 """
 
 from __future__ import annotations
@@ -342,7 +344,7 @@ def main(argv: list[str] | None = None) -> None:
                                  sample["copy_floor_ratio"], sample["worldtap_msg_s"],
                                  sample["publish_ms"], sample["memcpy_ms"], sample["cost_ratio"],
                                  sample["idle_cost_ratio"], _cpu(sample, "publisher"), _cpu(sample, "receiver"),
-                                 lossless])
+                                 sample["cpu_bound_of_raw"], lossless])
     finally:
         parent.send(None)
         worker.join(10)
@@ -356,14 +358,16 @@ def main(argv: list[str] | None = None) -> None:
     ratios = {f"{s['transport']}/{s['worlds']}": s["throughput_ratio"] for s in samples}
     floor_ratios = {f"{s['transport']}/{s['worlds']}": s["copy_floor_ratio"] for s in samples}
     publish_ms = {f"{s['transport']}/{s['worlds']}": s["publish_ms"] for s in samples}
+    cpu_bounds = {f"{s['transport']}/{s['worlds']}": s["cpu_bound_of_raw"] for s in samples}
     if args.json:
         print_json({"benchmark": "transport", "seconds": args.seconds, "trials": trials,
-                    "ratios": ratios, "copy_floor_ratios": floor_ratios, "publish_ms": publish_ms,
+                    "ratios": ratios, "copy_floor_ratios": floor_ratios, "cpu_bounds_of_raw": cpu_bounds,
+                    "publish_ms": publish_ms,
                     "cases": samples, "budgets": budgets, "machine": machine(), "versions": versions()})
     else:
         print(table(["transport", "worlds", "payload kB", "raw GB/s", "raw+copy GB/s", "worldtap GB/s", "ratio",
                      "of raw+copy", "msg/s", "publish ms", "memcpy ms", "cost x", "idle cost x", "pub cpu us/msg (raw)",
-                     "recv cpu us/msg (raw)", "lossless"], rows))
+                     "recv cpu us/msg (raw)", "CPU bound", "lossless"], rows))
         print("CPU us per message by thread (medians over rounds):")
         print(table(["transport", "worlds", "path", "pub main", "pub sender", "pub zmq io", "pub pyzmq gc",
                      "recv main", "recv zmq io"], [
@@ -432,6 +436,10 @@ def _summarize(transport: str, worlds: int, raws: list[dict[str, Any]], floors: 
                                         "receiver": med(f["cpu_us"] for f in floors)},
         "worldtap_cpu_us_per_message": {"publisher": med(o["publisher_cpu_us"] for o in ours),
                                         "receiver": med(o["cpu_us"] for o in ours)},
+        # raw's CPU per message over worldtap's, both processes: the ratio worldtap can reach
+        # where the cores are the limit (a small machine) and both keep them as busy
+        "cpu_bound_of_raw": med(r["publisher_cpu_us"] + r["cpu_us"] for r in raws) /
+        max(med(o["publisher_cpu_us"] + o["cpu_us"] for o in ours), 1e-9),
         "cpu_us_per_message_by_thread": {side: {"publisher": _by_role(r["publisher_threads_us"] for r in runs),
                                                 "receiver": _by_role(r["threads_us"] for r in runs)}
                                          for side, runs in (("raw", raws), ("raw_copy", floors), ("worldtap", ours))},

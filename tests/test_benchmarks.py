@@ -70,7 +70,8 @@ def test_benchmark_smoke(name: str, tmp_path: Path) -> None:
             if sys.platform == "linux":  # per-thread times come from /proc: the busy threads show
                 assert threads["worldtap"]["publisher"]["main"] > 0
                 assert threads["worldtap"]["receiver"]["main"] > 0
-        assert set(doc["copy_floor_ratios"]) == set(doc["ratios"])
+        assert set(doc["copy_floor_ratios"]) == set(doc["cpu_bounds_of_raw"]) == set(doc["ratios"])
+        assert all(case["cpu_bound_of_raw"] > 0 for case in doc["cases"])
     if name == "pipeline":
         case = doc["cases"][0]
         assert case["byte_equal"] is True
