@@ -9,8 +9,8 @@ import asyncio
 import os
 import threading
 from collections import OrderedDict
-from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Any
 
 import numpy as np
@@ -269,3 +269,16 @@ def _fetch(run: str, arr: zarr.Array[Any], chunk_ids: list[int],
         raise StoreDamagedError(f"run {run!r}: array {where!r} chunk(s) cannot be read: "
                                 f"{errors[0]!r}") from errors[0]
     return [c for c in chunks if c is not None]
+
+def _at_once(calls: Sequence[tuple[Callable[..., Any], tuple[Any, ...]]], concurrent: bool) -> list[Any]:
+    """``function(*args)`` of each of ``calls``, in order; with ``concurrent`` and two or more,
+    at once on the array threads (calls that use those threads themselves must not come here:
+    they would wait on threads busy waiting for them), the first error in ``calls`` order
+    raised after every call has ended."""
+    if not concurrent or len(calls) < 2:
+        return [function(*args) for function, args in calls]
+    futures = [_array_threads().submit(function, *args) for function, args in calls]
+    try:
+        return [future.result() for future in futures]
+    finally:
+        wait(futures)

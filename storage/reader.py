@@ -34,6 +34,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import wait
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -53,6 +54,7 @@ from ._format import (
 )
 from ._reading import (
     _array_threads,
+    _at_once,
     _before,
     _ChunkCache,
     _fetch,
@@ -354,24 +356,31 @@ class RunStore:
 
     def _columns(self, run: str, path: str, n: int, dtypes: Mapping[str, str]) -> dict[str, np.ndarray]:
         """The first ``n`` rows of the columns ``dtypes`` (name -> dtype when empty) of table
-        ``runs/<run>/<path>``. On an object store the columns are read at once (one thread
-        each, up to :data:`storage._reading._ARRAYS_AT_ONCE`): a table costs about one round
-        trip per step of the read, not one per column.
+        ``runs/<run>/<path>`` (see :meth:`_tables`)."""
+        return self._tables([(run, path, n, dtypes)])[0]
+
+    def _tables(self, wanted: Sequence[tuple[str, str, int, Mapping[str, str]]]) -> list[dict[str, np.ndarray]]:
+        """For each ``(run, path, n, dtypes)``, the first ``n`` rows of the columns ``dtypes``
+        (name -> dtype when empty) of table ``runs/<run>/<path>``. On an object store the
+        tables' groups are opened at once, then all their columns read at once (one thread
+        each, up to :data:`storage._reading._ARRAYS_AT_ONCE`): any number of tables costs a
+        few round trips, not a few per column.
 
         Raises:
-            StoreDamagedError: As :meth:`_read`, for the first damaged column in ``dtypes``
-                order (after every column's read has ended).
+            StoreDamagedError: As :meth:`_group` and :meth:`_read`, for the first damaged
+                table, then the first damaged column, in ``wanted`` order (after every read
+                has ended).
         """
-        group = self._group(run, path, n)
-        if group is None or n == 0:
-            return {name: np.zeros(0, dtype) for name, dtype in dtypes.items()}
-        if len(dtypes) < 2 or _local(group.store_path.store):
-            return {name: self._read(run, group, name, 0, n) for name in dtypes}
-        futures = {name: _array_threads().submit(self._read, run, group, name, 0, n) for name in dtypes}
-        try:  # in column order: the first error raised is the first damaged column's
-            return {name: future.result() for name, future in futures.items()}
-        finally:
-            wait(futures.values())
+        remote = not _local(self.root.store)
+        groups = _at_once([(self._group, (run, path, n)) for run, path, n, _ in wanted], remote)
+        jobs = [(i, name) for i, ((_, _, n, dtypes), group) in enumerate(zip(wanted, groups, strict=True))
+                if group is not None and n for name in dtypes]
+        values = _at_once([(self._read, (wanted[i][0], groups[i], name, 0, wanted[i][2])) for i, name in jobs],
+                          remote)
+        out = [{name: np.zeros(0, dtype) for name, dtype in dtypes.items()} for _, _, _, dtypes in wanted]
+        for (i, name), value in zip(jobs, values, strict=True):
+            out[i][name] = value
+        return out
 
     def _episode_table(self, run: str) -> dict[str, np.ndarray]:
         """Every committed column of ``run``'s episode table, by its node name (outcomes too),
@@ -379,14 +388,22 @@ class RunStore:
         the bulk reads, and :meth:`variation_table` share it. Never mutate the result."""
         table = self._episode_tables.get(run)
         if table is None:
-            n = int(self.info(run)["committed"]["episodes"])
-            outcomes: dict[str, str] = self._meta[run].get("outcomes", {})
-            table = self._columns(run, "episodes", n, {**_EPISODE_COLUMNS,
-                                                       **dict.fromkeys(outcomes.values(), "float64")})
+            self._read_episode_tables([run])
+            table = self._episode_tables[run]
+        return table
+
+    def _read_episode_tables(self, runs: Sequence[str]) -> None:
+        """Read the episode tables of ``runs`` not read yet (at once, on an object store)."""
+        todo = [r for r in dict.fromkeys(runs) if r not in self._episode_tables]
+        if not todo:
+            return
+        wanted = [(r, "episodes", int(self.info(r)["committed"]["episodes"]),
+                   {**_EPISODE_COLUMNS, **dict.fromkeys(self._meta[r].get("outcomes", {}).values(), "float64")})
+                  for r in todo]
+        for r, table in zip(todo, self._tables(wanted), strict=True):
             for column in table.values():
                 column.flags.writeable = False
-            self._episode_tables[run] = table
-        return table
+            self._episode_tables[r] = table
 
     def episodes(self, run: str | None = None, **equal: Any) -> Table:
         """The committed episodes of ``run`` (all runs when ``None``), optionally filtered by
@@ -394,7 +411,9 @@ class RunStore:
         terminated, truncated, end_step, segments, then the episode outcomes stored (float64,
         sorted by name; NaN where an episode lacks one)."""
         parts = []
-        for r in [run] if run is not None else self.runs():
+        runs = [run] if run is not None else self.runs()
+        self._read_episode_tables(runs)
+        for r in runs:
             stored = self._episode_table(r)
             cols: dict[str, np.ndarray] = {"run": np.full(len(stored["world"]), r, dtype=object)}
             for c in ("world", "index", "length", "success", "terminated", "truncated", "end_step",
@@ -765,14 +784,8 @@ class RunStore:
                 (after every array's opening has ended).
         """
         todo = [w for w in wanted if (run, w[0], node_name(w[1]) if w[2] is None else w[2]) not in self._arrays]
-        if len(todo) < 2 or _local(self.root.store):
-            return  # opened one by one where they are read
-        futures = [_array_threads().submit(self._array, run, term, name, node=node) for term, name, node in todo]
-        try:  # in order: the first error raised is the first array's that failed
-            for future in futures:
-                future.result()
-        finally:
-            wait(futures)
+        if not _local(self.root.store):  # elsewhere opened one by one where they are read
+            _at_once([(partial(self._array, node=node), (run, term, name)) for term, name, node in todo], True)
 
     def _gather(self, run: str, rows: np.ndarray, terms: Mapping[str, Sequence[str]],
                 start: np.ndarray | None, stop: np.ndarray | None, *,
@@ -979,7 +992,9 @@ class RunStore:
         from consumers.sample_table import SampleTable
 
         table = SampleTable()
-        for r in [run] if run is not None else self.runs():
+        runs = [run] if run is not None else self.runs()
+        self._read_episode_tables(runs)
+        for r in runs:
             info = self.info(r)
             table(RunStart(r, 0, 0, int(info["num_worlds"]), str(info["device"]),
                            variations=info["variations"], seed=info["seed"],
@@ -1018,3 +1033,4 @@ def _groups(column: np.ndarray) -> Iterator[tuple[int, np.ndarray]]:
     bounds = np.r_[starts, len(column)]
     for k, value in enumerate(values.tolist()):
         yield value, order[bounds[k]:bounds[k + 1]]
+

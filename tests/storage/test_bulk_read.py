@@ -242,23 +242,29 @@ class Slow(zarr.storage.WrapperStore[Any]):
     flight at once: ``peak`` of all, ``meta_peak`` of metadata documents."""
 
     flight: ClassVar[Counter[str]] = Counter()
+    runs: ClassVar[Counter[str]] = Counter()
     peak: ClassVar[int] = 0
     meta_peak: ClassVar[int] = 0
+    runs_peak: ClassVar[int] = 0
 
     @classmethod
     def reset(cls) -> None:
-        cls.peak = cls.meta_peak = 0
+        cls.peak = cls.meta_peak = cls.runs_peak = 0
 
     async def get(self, key: str, *args: Any, **kwargs: Any) -> Any:
         kind = "meta" if key.endswith("zarr.json") else "chunk"
+        run = key.split("/")[1] if key.startswith("runs/") and key.count("/") > 1 else ""
         Slow.flight[kind] += 1
+        Slow.runs[run] += 1
         Slow.peak = max(Slow.peak, Slow.flight["meta"] + Slow.flight["chunk"])
         Slow.meta_peak = max(Slow.meta_peak, Slow.flight["meta"])
+        Slow.runs_peak = max(Slow.runs_peak, sum(1 for r, k in Slow.runs.items() if r and k))
         try:
             await asyncio.sleep(0.03)
             return await self._store.get(key, *args, **kwargs)
         finally:
             Slow.flight[kind] -= 1
+            Slow.runs[run] -= 1
 
     def _with_store(self, store: Any) -> Slow:
         return Slow(store)
@@ -269,7 +275,7 @@ def test_an_object_store_s_runs_tables_and_arrays_are_opened_at_once(built: Buil
     arrays concurrently: a first read costs a few round trips, not a few per column. Bug
     caught: each opened or read one after the other (6 fields, 20 ms a round trip: the first
     ``episode()`` 778 ms, ``episodes()`` 601 ms, a fresh ``read_batch`` 1379 ms; now 161, 161
-    and 324)."""
+    and 324), and every run's episode table read one run after the other."""
     Slow.reset()
     reader = RunStore(Slow(zarr.storage.FsspecStore.from_url(f"file://{built.path}", read_only=True)))
     assert reader.runs() == ["run-a", "run-b"]
@@ -282,6 +288,12 @@ def test_an_object_store_s_runs_tables_and_arrays_are_opened_at_once(built: Buil
     assert_same(reader.episode("run-a", *first), built.episodes["run-a"][first])
     assert Slow.meta_peak >= 2, "the arrays of a first read were opened one after the other"
     assert_same(reader.read_batch("run-b").episode(0), built.episodes["run-b"][keys(reader.episodes("run-b"))[0]])
+    reader.refresh()
+    Slow.reset()
+    every = reader.episodes()  # every run's episode table
+    assert Slow.runs_peak >= 2, "the runs' episode tables were read one run after the other"
+    assert sorted(set(every["run"].tolist())) == ["run-a", "run-b"]
+    np.testing.assert_array_equal(every.where(every["run"] == "run-a")["world"], table["world"])
 
 
 def test_without_cache_and_after_many_small_batches(built: Built) -> None:
