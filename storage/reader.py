@@ -60,6 +60,7 @@ from ._reading import (
     _fetch,
     _find,
     _float32,
+    _groups,
     _keys,
     _local,
     _locate,
@@ -1023,14 +1024,4 @@ class RunStore:
             for _, _, message in sorted(events, key=lambda e: (e[0], e[1])):
                 table(message)
         return table
-
-
-def _groups(column: np.ndarray) -> Iterator[tuple[int, np.ndarray]]:
-    """Each distinct value of int64 ``column`` (ascending) and the positions that hold it (in
-    column order): one sort, where a mask per value would pass over the column once per value."""
-    order = np.argsort(column, kind="stable")
-    values, starts = np.unique(column[order], return_index=True)
-    bounds = np.r_[starts, len(column)]
-    for k, value in enumerate(values.tolist()):
-        yield value, order[bounds[k]:bounds[k + 1]]
 

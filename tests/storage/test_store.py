@@ -136,7 +136,7 @@ def test_variation_table_groups_by_sequence_number_in_stored_order() -> None:
     """The (X, Y) table replays samples and episode ends grouped by sequence number with one
     sort (a mask per number made it quadratic: 20,001 episodes took 3.7 s, 0.9 s of it
     masks); each group must hold exactly the positions a mask would, in stored order."""
-    from storage.reader import _groups
+    from storage._reading import _groups
 
     column = np.random.default_rng(0).integers(0, 40, 1000)
     groups = list(_groups(column))
