@@ -15,7 +15,10 @@ in randomized paired trials, each on a freshly opened store (no chunk cached):
 - ``dataloader``: ``torch.utils.data.DataLoader`` over ``storage.dataset.EpisodeDataset``
   (``--batch-size`` episodes per ``__getitems__``) over every episode, in process; and
   ``dataloader_<N>_workers`` the same with ``--workers`` worker processes (their start and
-  the transfer of every batch to the main process included);
+  the transfer of every batch to the main process included); ``dataloader_concatenate`` and
+  ``dataloader_<N>_workers_concatenate`` the same batches through
+  ``storage.dataset.concatenate`` (each key's rows concatenated, with offsets: a batch crosses
+  from a worker as one piece of shared memory) instead of a list of items;
 - ``zarr``: plain zarr-python reading every field array of the run whole (``arr[:rows]``):
   the same bytes with no episode logic, the floor.
 
@@ -95,7 +98,7 @@ def run_case(args: Any, root: Path) -> dict[str, Any]:
     import zarr
 
     from storage import RunStore
-    from storage.dataset import EpisodeDataset
+    from storage.dataset import EpisodeDataset, concatenate
 
     path = root / "read.zarr"
     written = build_store(path, args)
@@ -125,10 +128,10 @@ def run_case(args: Any, root: Path) -> dict[str, Any]:
     def batch() -> None:
         state["store"].read_batch(RUN)
 
-    def loader(workers: int) -> None:
+    def loader(workers: int, collate: Any = _keep) -> None:
         ds = EpisodeDataset(state["store"], RUN)
         kw: dict[str, Any] = {"batch_size": None} if args.batch_size == 0 else \
-            {"batch_size": args.batch_size, "collate_fn": _keep}
+            {"batch_size": args.batch_size, "collate_fn": collate}
         for _ in torch.utils.data.DataLoader(ds, num_workers=workers, **kw):
             pass
 
@@ -142,8 +145,13 @@ def run_case(args: Any, root: Path) -> dict[str, Any]:
 
     cases = {"episode_loop": (fresh, loop), "read_episodes": (fresh, bulk), "read_batch": (fresh, batch),
              "dataloader": (fresh, lambda: loader(0)), "zarr": (fresh_zarr, floor)}
+    if args.batch_size:
+        cases["dataloader_concatenate"] = (fresh, lambda: loader(0, concatenate))
     if args.workers:
         cases[f"dataloader_{args.workers}_workers"] = (fresh, lambda: loader(args.workers))
+        if args.batch_size:
+            cases[f"dataloader_{args.workers}_workers_concatenate"] = (
+                fresh, lambda: loader(args.workers, concatenate))
     ms, orders = paired_trials(cases, trials=args.trials, repeats=1, device="cpu", seed=args.seed)
 
     # Byte equality: each loop episode as the recorder published it (its world's rows at the
@@ -167,6 +175,15 @@ def run_case(args: Any, root: Path) -> dict[str, Any]:
         p = int(item["episode"])
         equal &= all(item[k].numpy().tobytes() == bulk_eps[p][k].tobytes() for k in bulk_eps[p])
         seen += 1
+    equal &= seen == n
+    seen = 0
+    for got in torch.utils.data.DataLoader(ds, batch_size=max(args.batch_size, 1), num_workers=args.workers,
+                                           collate_fn=concatenate):
+        for j, p in enumerate(got["episode"].tolist()):
+            item = got.episode(j)
+            equal &= item.keys() - {"episode"} == bulk_eps[p].keys() and all(
+                item[k].numpy().tobytes() == bulk_eps[p][k].tobytes() for k in bulk_eps[p])
+            seen += 1
     equal &= seen == n
 
     per_case = {}

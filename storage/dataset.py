@@ -14,10 +14,11 @@ the selected episodes (:meth:`RunStore.query`'s columns, variation values includ
 :meth:`RunStore.episode` (bfloat16 fields as float32). Batches of several items are read at
 once (``__getitems__``), each chunk once; every process (DataLoader worker) opens the store
 again, so no zarr object is shared across a fork. Episodes differ in length: give
-:class:`torch.utils.data.DataLoader` ``batch_size=None`` or a ``collate_fn`` that pads (or
-keeps a list), or use :class:`WindowDataset`. With worker processes, batch the items: the
-tensors of one batch's key share one piece of memory and cross to the main process together,
-while items sent one by one (``batch_size=None``) cost a shared-memory transfer per tensor.
+:class:`torch.utils.data.DataLoader` ``collate_fn=concatenate`` (each key's rows concatenated,
+with offsets: :class:`Concatenated`), ``batch_size=None``, or a ``collate_fn`` that pads, or use
+:class:`WindowDataset`. With worker processes, batch with :func:`concatenate`: a batch crosses
+to the main process as one piece of shared memory, where every tensor of a list of items (or
+of items sent one by one) crosses on its own, each with its own shared-memory handle.
 
 ``import storage`` does not import this module (it needs torch.utils.data).
 """
@@ -36,7 +37,7 @@ from ._format import StoreLocation
 from ._reading import _ranges
 from .reader import RunStore, Table
 
-__all__ = ["EpisodeDataset", "IterableEpisodeDataset", "WindowDataset"]
+__all__ = ["Concatenated", "EpisodeDataset", "IterableEpisodeDataset", "WindowDataset", "concatenate"]
 
 Item = dict[str, torch.Tensor]
 
@@ -83,8 +84,7 @@ class _Source:
              stop: np.ndarray | None = None) -> list[Item]:
         """The episodes at ``positions`` of :attr:`table` (rows ``[start, stop)`` of each when
         given), in that order, one bulk read per run, each with its ``"episode"``. The tensors
-        of one key are views of one tensor, so a DataLoader worker sends a batch to the main
-        process as one piece of shared memory per key, not one per episode."""
+        of one key are views of one tensor, which :func:`concatenate` hands on uncopied."""
         reader = self.reader()
         episode = torch.from_numpy(np.array(positions, dtype=np.int64))
         out: list[Item] = [{"episode": episode[i]} for i in range(len(positions))]
@@ -153,6 +153,121 @@ class EpisodeDataset(Dataset[Item]):
         """Several items, read in one bulk read (DataLoader calls this for each batch)."""
         positions = _positions(indices, len(self))
         return self.source.read(positions)
+
+
+class Concatenated(dict[str, Any]):
+    """A batch of episodes from :func:`concatenate`: ``"episode"`` (their rows of the dataset's
+    ``table``, int64), ``"data"`` (key -> every episode's rows, concatenated) and ``"offsets"``
+    (key -> ``len(episode) + 1`` int64 offsets: episode ``i``'s rows of ``key`` are
+    ``data[key][offsets[key][i]:offsets[key][i + 1]]``), as :meth:`RunStore.read_batch`. A
+    dict, so DataLoader workers send it and ``pin_memory`` pins it as any dict of tensors."""
+
+    def __copy__(self) -> Concatenated:
+        return Concatenated(self)  # shallow, as a dict's copy (DataLoader's pin_memory makes one)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        """Pickled (to the main process, from a DataLoader worker) as one tensor of bytes and
+        where each tensor lies in it: one shared-memory handle per batch, where a dict of
+        tensors sends one per tensor."""
+        parts = (self.get("data"), self.get("offsets"))
+        if set(self) != {"episode", "data", "offsets"} or not all(isinstance(p, dict) for p in parts):
+            return (_rebuild_plain, (dict(self),))  # changed by its user: pickled as it is
+        tensors: list[tuple[str, str | None, Any]] = [("episode", None, self["episode"])]
+        tensors += [("data", k, v) for k, v in self["data"].items()]
+        tensors += [("offsets", k, v) for k, v in self["offsets"].items()]
+        if not all(isinstance(t, torch.Tensor) and t.device.type == "cpu" and not t.requires_grad
+                   for _, _, t in tensors):
+            return (_rebuild_plain, (dict(self),))
+        layout, at = [], 0
+        for part, key, t in tensors:
+            nbytes = t.numel() * t.element_size()
+            layout.append((part, key, t.dtype, tuple(t.shape), at, nbytes))
+            at += -(-nbytes // 64) * 64
+        packed = _buffer(at)
+        for (_, _, _, _, offset, nbytes), (_, _, t) in zip(layout, tensors, strict=True):
+            if nbytes:
+                packed[offset:offset + nbytes].copy_(t.contiguous().view(-1).view(torch.uint8))
+        return (_rebuild_packed, (packed, layout))
+
+    def episode(self, i: int) -> Item:
+        """Episode ``i`` of the batch, as the dataset's item (views)."""
+        data, offsets = self["data"], self["offsets"]
+        item: Item = {key: data[key][int(offsets[key][i]):int(offsets[key][i + 1])] for key in data}
+        item["episode"] = self["episode"][i]
+        return item
+
+
+def _buffer(nbytes: int) -> torch.Tensor:
+    """``nbytes`` bytes, in shared memory inside a DataLoader worker (as default_collate does:
+    the transfer to the main process then copies nothing)."""
+    if get_worker_info() is None:
+        return torch.empty(nbytes, dtype=torch.uint8)
+    empty: Any = torch.empty(0, dtype=torch.uint8)
+    return empty.set_(empty._typed_storage()._new_shared(nbytes))  # type: ignore[no-any-return]
+
+
+def _rebuild_plain(state: dict[str, Any]) -> Concatenated:
+    return Concatenated(state)
+
+
+def _rebuild_packed(packed: torch.Tensor, layout: list[tuple[str, str | None, torch.dtype, tuple[int, ...], int, int]]
+                    ) -> Concatenated:
+    out = Concatenated(data={}, offsets={})
+    for part, key, dtype, shape, offset, nbytes in layout:
+        t = packed[offset:offset + nbytes].view(dtype).view(shape) if nbytes else torch.empty(shape, dtype=dtype)
+        if key is None:
+            out[part] = t
+        else:
+            out[part][key] = t
+    return out
+
+
+def concatenate(items: Sequence[Item]) -> Concatenated:
+    """A DataLoader ``collate_fn`` for episodes of different lengths: each key's rows
+    concatenated, with offsets (:class:`Concatenated`).
+
+    The items of one ``__getitems__`` call are views of one tensor per key, in order: that
+    tensor is taken as it is, no copy. With worker processes this is the cheap way to batch
+    whole episodes: a batch crosses to the main process as one piece of shared memory (see
+    :meth:`Concatenated.__reduce__`), where a list of items sends every tensor of every item
+    on its own, each with its own shared-memory handle.
+
+    Raises:
+        ValueError: No items, or items with different keys (the message names the key).
+    """
+    if not items:
+        raise ValueError("concatenate: no items")
+    keys = [k for k in items[0] if k != "episode"]
+    for i, item in enumerate(items):
+        if item.keys() != items[0].keys():
+            odd = sorted(set(item) ^ set(items[0]))
+            raise ValueError(f"concatenate: the keys of item {i} and item 0 differ in {odd} (items of "
+                             f"runs with different fields: choose fields they share)")
+    episode = torch.stack([torch.as_tensor(item["episode"], dtype=torch.int64) for item in items])
+    data: dict[str, torch.Tensor] = {}
+    offsets: dict[str, torch.Tensor] = {}
+    for key in keys:
+        parts = [item[key] for item in items]
+        lengths = torch.tensor([0] + [len(t) for t in parts], dtype=torch.int64)
+        offsets[key] = torch.cumsum(lengths, 0)
+        data[key] = _whole(parts)
+    return Concatenated(episode=episode, data=data, offsets=offsets)
+
+
+def _whole(parts: list[torch.Tensor]) -> torch.Tensor:
+    """``torch.cat(parts)``; the tensor they are views of, uncopied, when they cover it in order."""
+    base = parts[0]._base
+    if base is not None and base.is_contiguous() and all(
+            t._base is base and t.dtype == base.dtype and t.is_contiguous() for t in parts):
+        at = base.storage_offset()
+        for t in parts:
+            if t.storage_offset() != at:
+                break
+            at += t.numel()
+        else:
+            if at == base.storage_offset() + base.numel():
+                return base
+    return torch.cat(parts)
 
 
 class WindowDataset(Dataset[Item]):

@@ -87,7 +87,8 @@ def test_benchmark_smoke(name: str, tmp_path: Path) -> None:
     if name == "read":
         case = doc["cases"][0]
         assert case["byte_equal"] is True
-        assert set(case["results"]) == {"episode_loop", "read_episodes", "read_batch", "dataloader", "zarr"}
+        assert set(case["results"]) == {"episode_loop", "read_episodes", "read_batch", "dataloader", "zarr",
+                                        "dataloader_concatenate"}
         assert case["results"]["read_batch"]["episodes"] == case["episodes"] >= 16
         assert all(r["gb_per_s"] > 0 and r["speedup_vs_episode_loop"] > 0 for r in case["results"].values())
 

@@ -20,7 +20,7 @@ from torch.utils.data import DataLoader
 
 from broker import Broker
 from storage import QueryError, RunStore, StoreDaemon
-from storage.dataset import EpisodeDataset, IterableEpisodeDataset, WindowDataset
+from storage.dataset import Concatenated, EpisodeDataset, IterableEpisodeDataset, WindowDataset, concatenate
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -267,3 +267,69 @@ def test_a_pickled_dataset_opens_the_store_again(built: Built) -> None:
     assert copy.source._reader is None
     for i in (0, len(copy) - 1):
         check_episode(copy[i], built.sims, copy.table, fields=["obs"])
+
+
+def check_concatenated(batch: Concatenated, ds: EpisodeDataset, sims: dict[str, Sim], fields: Any = None) -> None:
+    """``batch`` holds its episodes as published: each one cut out by its offsets."""
+    assert isinstance(batch, Concatenated)
+    assert batch["episode"].dtype == torch.int64
+    for i in range(len(batch["episode"])):
+        for key, offsets in batch["offsets"].items():
+            assert offsets.dtype == torch.int64
+            assert len(offsets) == len(batch["episode"]) + 1
+            assert len(batch["data"][key]) == int(offsets[-1])
+        check_episode(batch.episode(i), sims, ds.table, fields)
+
+
+def test_concatenate_keeps_one_read_s_tensors_uncopied(built: Built) -> None:
+    """The items of one ``__getitems__`` call are views of one tensor per key, in order:
+    ``concatenate`` hands that tensor on uncopied; items of separate reads are copied. Bugs
+    caught: offsets off by an episode, a batch that shares a tensor covering other rows, keys
+    of different items silently dropped."""
+    ds = EpisodeDataset(built.path, "run-a")
+    picks = [3, 0, 7, 2]
+    items = ds.__getitems__(picks)
+    batch = concatenate(items)
+    assert batch["episode"].tolist() == picks
+    for key in batch["data"]:
+        assert batch["data"][key].data_ptr() == items[0][key].data_ptr()  # no copy
+    check_concatenated(batch, ds, built.sims)
+    apart = concatenate([ds[p] for p in picks])  # separate reads: copied, the same bytes
+    for key, value in batch["data"].items():
+        assert apart["data"][key].data_ptr() != value.data_ptr()
+        assert torch.equal(apart["data"][key], value)
+        assert torch.equal(apart["offsets"][key], batch["offsets"][key])
+    part = concatenate(items[1:3])  # views that do not cover their tensor: copied
+    assert torch.equal(part["data"]["obs/state"], torch.cat([items[1]["obs/state"], items[2]["obs/state"]]))
+    again = pickle.loads(pickle.dumps(batch))  # one packed tensor, views rebuilt
+    assert isinstance(again, Concatenated)
+    for key, value in batch["data"].items():
+        assert torch.equal(again["data"][key], value)
+        assert again["data"][key].dtype == value.dtype
+    assert torch.equal(again["episode"], batch["episode"])
+    batch["note"] = "mine"  # changed by its user: pickled as it is
+    assert pickle.loads(pickle.dumps(batch))["note"] == "mine"
+    odd = dict(items[1])
+    odd.pop("obs/state")
+    with pytest.raises(ValueError, match=r"keys of item 1 and item 0 differ in \['obs/state'\]"):
+        concatenate([items[0], odd])
+    with pytest.raises(ValueError, match="no items"):
+        concatenate([])
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_concatenated_batches_cross_from_worker_processes(built: Built, workers: int) -> None:
+    """Batches from DataLoader workers (each sent as one packed tensor, rebuilt as views in the
+    main process) hold every episode once, as published, every run included. Bug caught: a
+    batch sent as a dict of tensors, one shared-memory handle per tensor (2 workers, 8,000
+    episodes: 4,494 episodes/s and 0.72 s of the main process's CPU, against 8,010 and 0.20)."""
+    ds = EpisodeDataset(built.path, fields=["obs", "final"])
+    seen: list[int] = []
+    for batch in DataLoader(ds, batch_size=5, num_workers=workers, collate_fn=concatenate, shuffle=True,
+                            generator=torch.Generator().manual_seed(0)):
+        seen += batch["episode"].tolist()
+        check_concatenated(batch, ds, built.sims, ["obs", "final"])
+        if workers:  # one piece of shared memory crossed, not one per tensor
+            tensors = [batch["episode"], *batch["data"].values(), *batch["offsets"].values()]
+            assert len({t.untyped_storage().data_ptr() for t in tensors}) == 1
+    assert sorted(seen) == list(range(len(ds)))
