@@ -19,6 +19,11 @@ in randomized paired trials, each on a freshly opened store (no chunk cached):
   ``dataloader_<N>_workers_concatenate`` the same batches through
   ``storage.dataset.concatenate`` (each key's rows concatenated, with offsets: a batch crosses
   from a worker as one piece of shared memory) instead of a list of items;
+- ``windows_shuffle`` and ``windows_block_shuffle``: ``storage.dataset.WindowDataset``
+  (``--window`` rows, the same stride: every row once) through a DataLoader in batches of 64,
+  drawn in a random order (``shuffle=True``'s sampler) and block-wise
+  (``storage.dataset.BlockShuffleSampler``), with a chunk cache (``--window-cache-bytes``)
+  smaller than the rows read, as a long run's store is;
 - ``zarr``: plain zarr-python reading every field array of the run whole (``arr[:rows]``):
   the same bytes with no episode logic, the floor.
 
@@ -98,7 +103,7 @@ def run_case(args: Any, root: Path) -> dict[str, Any]:
     import zarr
 
     from storage import RunStore
-    from storage.dataset import EpisodeDataset, concatenate
+    from storage.dataset import BlockShuffleSampler, EpisodeDataset, WindowDataset, concatenate
 
     path = root / "read.zarr"
     written = build_store(path, args)
@@ -135,6 +140,17 @@ def run_case(args: Any, root: Path) -> dict[str, Any]:
         for _ in torch.utils.data.DataLoader(ds, num_workers=workers, **kw):
             pass
 
+    def fresh_windows() -> None:  # a fresh reader whose chunk cache holds less than the rows
+        state["windows"] = WindowDataset(path, RUN, window=args.window, stride=args.window,
+                                         cache_bytes=args.window_cache_bytes)
+
+    def windows(block: bool) -> None:
+        ds = state["windows"]
+        sampler = BlockShuffleSampler(ds, seed=args.seed) if block else \
+            torch.utils.data.RandomSampler(ds, generator=torch.Generator().manual_seed(args.seed))
+        for _ in torch.utils.data.DataLoader(ds, batch_size=64, sampler=sampler):
+            pass
+
     def fresh_zarr() -> None:
         group = zarr.open_group(path, mode="r")
         state["arrays"] = [group[f"runs/{RUN}/data/{TERM}/{name}"] for name in names]
@@ -147,6 +163,9 @@ def run_case(args: Any, root: Path) -> dict[str, Any]:
              "dataloader": (fresh, lambda: loader(0)), "zarr": (fresh_zarr, floor)}
     if args.batch_size:
         cases["dataloader_concatenate"] = (fresh, lambda: loader(0, concatenate))
+    if args.window:
+        cases["windows_shuffle"] = (fresh_windows, lambda: windows(False))
+        cases["windows_block_shuffle"] = (fresh_windows, lambda: windows(True))
     if args.workers:
         cases[f"dataloader_{args.workers}_workers"] = (fresh, lambda: loader(args.workers))
         if args.batch_size:
@@ -216,6 +235,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--workers", type=int, default=2, help="DataLoader worker processes")
     parser.add_argument("--batch-size", type=int, default=32,
                         help="episodes per DataLoader batch (0: one at a time, batch_size=None)")
+    parser.add_argument("--window", type=int, default=32,
+                        help="rows per window of the windows cases (stride the same: every row once; 0: none)")
+    parser.add_argument("--window-cache-bytes", type=int, default=32 << 20,
+                        help="the chunk cache of the windows cases: less than the rows read, as a long run's")
     parser.add_argument("--memory-budget", type=int, default=1 << 30,
                         help="the daemon's memory budget (small: episodes stored in fragments)")
     parser.add_argument("--compression", default="lz4", choices=("lz4", "zstd", "none"))

@@ -26,18 +26,19 @@ of items sent one by one) crosses on its own, each with its own shared-memory ha
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Sequence, Sized
 from typing import Any, Literal
 
 import numpy as np
 import torch
-from torch.utils.data import Dataset, IterableDataset, get_worker_info
+from torch.utils.data import Dataset, IterableDataset, Sampler, get_worker_info
 
 from ._format import StoreLocation
 from ._reading import _ranges
 from .reader import RunStore, Table
 
-__all__ = ["Concatenated", "EpisodeDataset", "IterableEpisodeDataset", "WindowDataset", "concatenate"]
+__all__ = ["BlockShuffleSampler", "Concatenated", "EpisodeDataset", "IterableEpisodeDataset", "WindowDataset",
+           "concatenate"]
 
 Item = dict[str, torch.Tensor]
 
@@ -424,16 +425,8 @@ class IterableEpisodeDataset(IterableDataset[Item]):
         _check_rank(rank, world_size)
         if not (0 <= worker < workers):
             raise ValueError(f"worker: expected 0 <= worker < workers ({workers}), got {worker}")
-        n = len(self.source.table)
-        blocks = np.arange(-(-n // self.block))
-        if self.shuffle:
-            blocks = np.random.default_rng([self.seed, self.epoch]).permutation(blocks)
-        parts = []
-        for b in blocks[rank * workers + worker::world_size * workers].tolist():
-            rows = np.arange(b * self.block, min(n, (b + 1) * self.block))
-            if self.shuffle:
-                rows = np.random.default_rng([self.seed, self.epoch, b]).permutation(rows)
-            parts.append(rows)
+        order = _blocks(len(self.source.table), self.block, self.shuffle, self.seed, self.epoch)
+        parts = order[rank * workers + worker::world_size * workers]
         return np.concatenate(parts) if parts else np.zeros(0, np.int64)
 
     def __iter__(self) -> Iterator[Item]:
@@ -448,6 +441,65 @@ class IterableEpisodeDataset(IterableDataset[Item]):
         for a in range(0, len(positions), self.block):
             part = positions[a:a + self.block]
             yield from self.source.read(part)
+
+
+class BlockShuffleSampler(Sampler[int]):
+    """The indices of a map-style dataset (:class:`EpisodeDataset`, :class:`WindowDataset`)
+    shuffled block-wise, for ``DataLoader(dataset, sampler=...)``: blocks of ``block``
+    consecutive indices in a permuted order, the indices inside each block permuted, from
+    ``seed`` and the epoch (:meth:`set_epoch`), as :class:`IterableEpisodeDataset` shuffles.
+
+    Neighbouring items lie in the same chunks of the store, so a batch drawn from a block
+    decodes a few chunks, where a full shuffle (``shuffle=True``) decodes about one chunk per
+    field for every item once the data read no longer fits the chunk cache (``cache_bytes``).
+    ``block=1`` shuffles fully. One process: with several distributed ranks, shard the indices
+    yourself or use :class:`IterableEpisodeDataset`.
+
+    Args:
+        data_source: The dataset (or its length).
+        block: Consecutive indices per block (>= 1).
+        seed: Seed of the permutation (an integer >= 0).
+
+    Raises:
+        ValueError: A bad ``block`` or ``seed``, or a negative length.
+    """
+
+    def __init__(self, data_source: Sized | int, *, block: int = 256, seed: int = 0) -> None:
+        super().__init__()
+        for name, value, low in (("seed", seed, 0), ("block", block, 1)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < low:
+                raise ValueError(f"{name}: expected an integer >= {low}, got {value!r}")
+        n = data_source if isinstance(data_source, int) else len(data_source)
+        if n < 0:
+            raise ValueError(f"data_source: expected a length >= 0, got {n}")
+        self.n, self.block, self.seed, self.epoch = n, block, seed, 0
+
+    def set_epoch(self, epoch: int) -> None:
+        """Use the permutation of epoch ``epoch`` from now on."""
+        self.epoch = int(epoch)
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __iter__(self) -> Iterator[int]:
+        for rows in _blocks(self.n, self.block, True, self.seed, self.epoch):
+            yield from rows.tolist()
+
+
+def _blocks(n: int, block: int, shuffle: bool, seed: int, epoch: int) -> list[np.ndarray]:
+    """Rows ``0..n-1`` in blocks of ``block`` consecutive ones, in block order; with
+    ``shuffle``, the block order and the rows inside block ``b`` permuted from ``(seed, epoch)``
+    and ``(seed, epoch, b)``."""
+    blocks = np.arange(-(-n // block))
+    if shuffle:
+        blocks = np.random.default_rng([seed, epoch]).permutation(blocks)
+    out = []
+    for b in blocks.tolist():
+        rows = np.arange(b * block, min(n, (b + 1) * block))
+        if shuffle:
+            rows = np.random.default_rng([seed, epoch, b]).permutation(rows)
+        out.append(rows)
+    return out
 
 
 def _check_rank(rank: Any, world_size: Any) -> None:

@@ -88,7 +88,7 @@ def test_benchmark_smoke(name: str, tmp_path: Path) -> None:
         case = doc["cases"][0]
         assert case["byte_equal"] is True
         assert set(case["results"]) == {"episode_loop", "read_episodes", "read_batch", "dataloader", "zarr",
-                                        "dataloader_concatenate"}
+                                        "dataloader_concatenate", "windows_shuffle", "windows_block_shuffle"}
         assert case["results"]["read_batch"]["episodes"] == case["episodes"] >= 16
         assert all(r["gb_per_s"] > 0 and r["speedup_vs_episode_loop"] > 0 for r in case["results"].values())
 

@@ -6,9 +6,11 @@ store and a memory store."""
 from __future__ import annotations
 
 import pickle
+import re
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import pytest
@@ -16,11 +18,18 @@ import torch
 import zarr
 from read_store import expected, two_runs, write
 from storage_sim import Sim, assert_episode_equal
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, RandomSampler
 
 from broker import Broker
 from storage import QueryError, RunStore, StoreDaemon
-from storage.dataset import Concatenated, EpisodeDataset, IterableEpisodeDataset, WindowDataset, concatenate
+from storage.dataset import (
+    BlockShuffleSampler,
+    Concatenated,
+    EpisodeDataset,
+    IterableEpisodeDataset,
+    WindowDataset,
+    concatenate,
+)
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -333,3 +342,63 @@ def test_concatenated_batches_cross_from_worker_processes(built: Built, workers:
             tensors = [batch["episode"], *batch["data"].values(), *batch["offsets"].values()]
             assert len({t.untyped_storage().data_ptr() for t in tensors}) == 1
     assert sorted(seen) == list(range(len(ds)))
+
+
+def test_block_shuffle_permutes_blocks_of_consecutive_indices() -> None:
+    """Every index once per epoch, in blocks of consecutive indices; the same order for the
+    same seed and epoch, another for another epoch; ``block=1`` a full permutation."""
+    sampler = BlockShuffleSampler(1000, block=64, seed=3)
+    order = list(sampler)
+    assert sorted(order) == list(range(1000))
+    assert len(sampler) == 1000
+    a = 0
+    while a < 1000:  # each block is drawn whole before the next (the last one is short)
+        first = order[a] // 64 * 64
+        block = list(range(first, min(1000, first + 64)))
+        assert sorted(order[a:a + len(block)]) == block
+        a += len(block)
+    assert order != sorted(order)
+    assert list(BlockShuffleSampler(1000, block=64, seed=3)) == order
+    sampler.set_epoch(1)
+    assert sorted(list(sampler)) == list(range(1000))
+    assert list(sampler) != order
+    assert sorted(BlockShuffleSampler(50, block=1)) == list(range(50))
+    assert list(BlockShuffleSampler(0)) == []
+    for bad in ({"block": 0}, {"seed": -1}, {"block": True}):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            BlockShuffleSampler(10, **bad)
+
+
+CHUNK = re.compile(r"/c([./]\d+)+$")
+
+
+class CountingStore(zarr.storage.LocalStore):
+    """A local store that counts its chunk reads."""
+
+    reads: ClassVar[Counter[str]] = Counter()
+
+    def get_sync(self, key: str, *args: Any, **kwargs: Any) -> Any:
+        if CHUNK.search(key):
+            CountingStore.reads[key] += 1
+        return super().get_sync(key, *args, **kwargs)
+
+
+def test_block_shuffled_windows_read_each_chunk_about_once(built: Built) -> None:
+    """With data larger than the chunk cache, windows drawn block-wise decode each chunk
+    about once an epoch, where a full shuffle decodes chunks again and again. Bug caught: a
+    random order of windows decoding a chunk per field for most items (8,000 episodes, 64 MB
+    of rows: 992 windows/s shuffled against 11,657-16,187 block-shuffled)."""
+    def epoch(sampler: Any) -> tuple[int, int]:
+        ds = WindowDataset(CountingStore(built.path, read_only=True), "run-a", fields=["obs"], window=4,
+                           stride=4, cache_bytes=4096)  # 16 chunks of 256 bytes: far less than the data
+        CountingStore.reads.clear()
+        seen = []
+        for batch in DataLoader(ds, batch_size=8, sampler=sampler(ds)):
+            seen += list(zip(batch["episode"].tolist(), batch["start"].tolist(), strict=True))
+        assert len(seen) == len(set(seen)) == len(ds)
+        return sum(CountingStore.reads.values()), len(CountingStore.reads)
+
+    fetched, chunks = epoch(lambda ds: BlockShuffleSampler(ds, block=16, seed=0))
+    shuffled, _ = epoch(lambda ds: RandomSampler(ds, generator=torch.Generator().manual_seed(0)))
+    assert fetched <= 2 * chunks, (fetched, chunks)  # 106 reads of 74 chunks here; shuffled: 422
+    assert shuffled > 2 * fetched, (shuffled, fetched)
