@@ -23,7 +23,9 @@ in randomized paired trials, each on a freshly opened store (no chunk cached):
   (``--window`` rows, the same stride: every row once) through a DataLoader in batches of 64,
   drawn in a random order (``shuffle=True``'s sampler) and block-wise
   (``storage.dataset.BlockShuffleSampler``), with a chunk cache (``--window-cache-bytes``)
-  smaller than the rows read, as a long run's store is;
+  smaller than the rows read, as a long run's store is; ``windows_<N>_workers`` and
+  ``windows_<N>_workers_stack`` block-shuffled with ``--workers`` worker processes, batched by
+  the default collate and by ``storage.dataset.stack`` (sent as one piece of shared memory);
 - ``zarr``: plain zarr-python reading every field array of the run whole (``arr[:rows]``):
   the same bytes with no episode logic, the floor.
 
@@ -103,7 +105,7 @@ def run_case(args: Any, root: Path) -> dict[str, Any]:
     import zarr
 
     from storage import RunStore
-    from storage.dataset import BlockShuffleSampler, EpisodeDataset, WindowDataset, concatenate
+    from storage.dataset import BlockShuffleSampler, EpisodeDataset, WindowDataset, concatenate, stack
 
     path = root / "read.zarr"
     written = build_store(path, args)
@@ -144,11 +146,12 @@ def run_case(args: Any, root: Path) -> dict[str, Any]:
         state["windows"] = WindowDataset(path, RUN, window=args.window, stride=args.window,
                                          cache_bytes=args.window_cache_bytes)
 
-    def windows(block: bool) -> None:
+    def windows(block: bool, workers: int = 0, collate: Any = None) -> None:
         ds = state["windows"]
         sampler = BlockShuffleSampler(ds, seed=args.seed) if block else \
             torch.utils.data.RandomSampler(ds, generator=torch.Generator().manual_seed(args.seed))
-        for _ in torch.utils.data.DataLoader(ds, batch_size=64, sampler=sampler):
+        kw: dict[str, Any] = {} if collate is None else {"collate_fn": collate}
+        for _ in torch.utils.data.DataLoader(ds, batch_size=64, sampler=sampler, num_workers=workers, **kw):
             pass
 
     def fresh_zarr() -> None:
@@ -171,6 +174,10 @@ def run_case(args: Any, root: Path) -> dict[str, Any]:
         if args.batch_size:
             cases[f"dataloader_{args.workers}_workers_concatenate"] = (
                 fresh, lambda: loader(args.workers, concatenate))
+        if args.window:
+            cases[f"windows_{args.workers}_workers"] = (fresh_windows, lambda: windows(True, args.workers))
+            cases[f"windows_{args.workers}_workers_stack"] = (fresh_windows,
+                                                             lambda: windows(True, args.workers, stack))
     ms, orders = paired_trials(cases, trials=args.trials, repeats=1, device="cpu", seed=args.seed)
 
     # Byte equality: each loop episode as the recorder published it (its world's rows at the

@@ -37,8 +37,8 @@ from ._format import StoreLocation
 from ._reading import _ranges
 from .reader import RunStore, Table
 
-__all__ = ["BlockShuffleSampler", "Concatenated", "EpisodeDataset", "IterableEpisodeDataset", "WindowDataset",
-           "concatenate"]
+__all__ = ["BlockShuffleSampler", "Concatenated", "EpisodeDataset", "IterableEpisodeDataset", "Packed",
+           "WindowDataset", "concatenate", "stack"]
 
 Item = dict[str, torch.Tensor]
 
@@ -156,39 +156,43 @@ class EpisodeDataset(Dataset[Item]):
         return self.source.read(positions)
 
 
-class Concatenated(dict[str, Any]):
+class Packed(dict[str, Any]):
+    """A batch as a dict whose values are CPU tensors or dicts of them, which pickles as one
+    tensor of bytes and where each tensor lies in it: a DataLoader worker sends it to the main
+    process as one piece of shared memory, where a plain dict sends every tensor on its own,
+    each with its own shared-memory handle. Anything else inside (a value its user put there,
+    a tensor on a device) is pickled as a plain dict would be. ``pin_memory`` pins it as any
+    dict of tensors."""
+
+    def __copy__(self) -> Packed:
+        return type(self)(self)  # shallow, as a dict's copy (DataLoader's pin_memory makes one)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        nested = {k: isinstance(v, dict) for k, v in self.items()}  # every key, in order
+        leaves: list[tuple[str, str | None, Any]] = []
+        for k, v in self.items():
+            leaves += [(k, kk, t) for kk, t in v.items()] if isinstance(v, dict) else [(k, None, v)]
+        if not all(isinstance(t, torch.Tensor) and t.device.type == "cpu" and not t.requires_grad
+                   for _, _, t in leaves):
+            return (_rebuild_plain, (type(self), dict(self)))
+        layout, at = [], 0
+        for k, kk, t in leaves:
+            nbytes = t.numel() * t.element_size()
+            layout.append((k, kk, t.dtype, tuple(t.shape), at, nbytes))
+            at += -(-nbytes // 64) * 64
+        packed = _buffer(at)
+        for (_, _, _, _, offset, nbytes), (_, _, t) in zip(layout, leaves, strict=True):
+            if nbytes:
+                packed[offset:offset + nbytes].copy_(t.contiguous().view(-1).view(torch.uint8))
+        return (_rebuild_packed, (type(self), nested, packed, layout))
+
+
+class Concatenated(Packed):
     """A batch of episodes from :func:`concatenate`: ``"episode"`` (their rows of the dataset's
     ``table``, int64), ``"data"`` (key -> every episode's rows, concatenated) and ``"offsets"``
     (key -> ``len(episode) + 1`` int64 offsets: episode ``i``'s rows of ``key`` are
-    ``data[key][offsets[key][i]:offsets[key][i + 1]]``), as :meth:`RunStore.read_batch`. A
-    dict, so DataLoader workers send it and ``pin_memory`` pins it as any dict of tensors."""
-
-    def __copy__(self) -> Concatenated:
-        return Concatenated(self)  # shallow, as a dict's copy (DataLoader's pin_memory makes one)
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        """Pickled (to the main process, from a DataLoader worker) as one tensor of bytes and
-        where each tensor lies in it: one shared-memory handle per batch, where a dict of
-        tensors sends one per tensor."""
-        parts = (self.get("data"), self.get("offsets"))
-        if set(self) != {"episode", "data", "offsets"} or not all(isinstance(p, dict) for p in parts):
-            return (_rebuild_plain, (dict(self),))  # changed by its user: pickled as it is
-        tensors: list[tuple[str, str | None, Any]] = [("episode", None, self["episode"])]
-        tensors += [("data", k, v) for k, v in self["data"].items()]
-        tensors += [("offsets", k, v) for k, v in self["offsets"].items()]
-        if not all(isinstance(t, torch.Tensor) and t.device.type == "cpu" and not t.requires_grad
-                   for _, _, t in tensors):
-            return (_rebuild_plain, (dict(self),))
-        layout, at = [], 0
-        for part, key, t in tensors:
-            nbytes = t.numel() * t.element_size()
-            layout.append((part, key, t.dtype, tuple(t.shape), at, nbytes))
-            at += -(-nbytes // 64) * 64
-        packed = _buffer(at)
-        for (_, _, _, _, offset, nbytes), (_, _, t) in zip(layout, tensors, strict=True):
-            if nbytes:
-                packed[offset:offset + nbytes].copy_(t.contiguous().view(-1).view(torch.uint8))
-        return (_rebuild_packed, (packed, layout))
+    ``data[key][offsets[key][i]:offsets[key][i + 1]]``), as :meth:`RunStore.read_batch`; sent
+    from worker processes as one piece of shared memory (:class:`Packed`)."""
 
     def episode(self, i: int) -> Item:
         """Episode ``i`` of the batch, as the dataset's item (views)."""
@@ -207,19 +211,48 @@ def _buffer(nbytes: int) -> torch.Tensor:
     return empty.set_(empty._typed_storage()._new_shared(nbytes))  # type: ignore[no-any-return]
 
 
-def _rebuild_plain(state: dict[str, Any]) -> Concatenated:
-    return Concatenated(state)
+def _rebuild_plain(cls: type[Packed], state: dict[str, Any]) -> Packed:
+    return cls(state)
 
 
-def _rebuild_packed(packed: torch.Tensor, layout: list[tuple[str, str | None, torch.dtype, tuple[int, ...], int, int]]
-                    ) -> Concatenated:
-    out = Concatenated(data={}, offsets={})
-    for part, key, dtype, shape, offset, nbytes in layout:
+def _rebuild_packed(cls: type[Packed], nested: dict[str, bool], packed: torch.Tensor,
+                    layout: list[tuple[str, str | None, torch.dtype, tuple[int, ...], int, int]]) -> Packed:
+    out = cls({k: {} if inner else None for k, inner in nested.items()})  # the keys in their order
+    for k, kk, dtype, shape, offset, nbytes in layout:
         t = packed[offset:offset + nbytes].view(dtype).view(shape) if nbytes else torch.empty(shape, dtype=dtype)
-        if key is None:
-            out[part] = t
+        if kk is None:
+            out[k] = t
         else:
-            out[part][key] = t
+            out[k][kk] = t
+    return out
+
+
+def _same_keys(items: Sequence[Item], what: str) -> None:
+    """Raises ValueError: no items, or items whose keys differ (named)."""
+    if not items:
+        raise ValueError(f"{what}: no items")
+    for i, item in enumerate(items):
+        if item.keys() != items[0].keys():
+            odd = sorted(set(item) ^ set(items[0]))
+            raise ValueError(f"{what}: the keys of item {i} and item 0 differ in {odd} (items of "
+                             f"runs with different fields: choose fields they share)")
+
+
+def stack(items: Sequence[Item]) -> Packed:
+    """A DataLoader ``collate_fn`` for items of equal shapes (:class:`WindowDataset`'s): each
+    key's tensors stacked, as the default collate does, in a :class:`Packed` dict that a worker
+    process sends as one piece of shared memory (the default collate's dict sends one per key).
+
+    Raises:
+        ValueError: No items, items with different keys (named), or shapes that differ.
+    """
+    _same_keys(items, "stack")
+    out = Packed()
+    for key in items[0]:
+        try:
+            out[key] = torch.stack([item[key] for item in items])
+        except RuntimeError as exc:
+            raise ValueError(f"stack: the items' {key!r} differ in shape: {exc}") from exc
     return out
 
 
@@ -229,21 +262,15 @@ def concatenate(items: Sequence[Item]) -> Concatenated:
 
     The items of one ``__getitems__`` call are views of one tensor per key, in order: that
     tensor is taken as it is, no copy. With worker processes this is the cheap way to batch
-    whole episodes: a batch crosses to the main process as one piece of shared memory (see
-    :meth:`Concatenated.__reduce__`), where a list of items sends every tensor of every item
-    on its own, each with its own shared-memory handle.
+    whole episodes: a batch crosses to the main process as one piece of shared memory
+    (:class:`Packed`), where a list of items sends every tensor of every item on its own, each
+    with its own shared-memory handle.
 
     Raises:
         ValueError: No items, or items with different keys (the message names the key).
     """
-    if not items:
-        raise ValueError("concatenate: no items")
+    _same_keys(items, "concatenate")
     keys = [k for k in items[0] if k != "episode"]
-    for i, item in enumerate(items):
-        if item.keys() != items[0].keys():
-            odd = sorted(set(item) ^ set(items[0]))
-            raise ValueError(f"concatenate: the keys of item {i} and item 0 differ in {odd} (items of "
-                             f"runs with different fields: choose fields they share)")
     episode = torch.stack([torch.as_tensor(item["episode"], dtype=torch.int64) for item in items])
     data: dict[str, torch.Tensor] = {}
     offsets: dict[str, torch.Tensor] = {}

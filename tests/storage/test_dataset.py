@@ -27,8 +27,10 @@ from storage.dataset import (
     Concatenated,
     EpisodeDataset,
     IterableEpisodeDataset,
+    Packed,
     WindowDataset,
     concatenate,
+    stack,
 )
 
 pytestmark = pytest.mark.timeout(120)
@@ -158,6 +160,38 @@ def test_windows_batch_with_the_default_collate(built: Built) -> None:
     assert first["mask"].shape == (8, 6)
     seen = sorted((int(e), int(s)) for b in batches for e, s in zip(b["episode"], b["start"], strict=True))
     assert seen == sorted(zip(ds.episode_of.tolist(), ds.start.tolist(), strict=True))
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_stacked_windows_equal_the_default_collate_s_and_cross_as_one_piece(built: Built, workers: int) -> None:
+    """``stack`` batches what the default collate batches, byte for byte, and a worker sends
+    the batch as one piece of shared memory. Bug caught: a dict of stacked tensors sent from a
+    worker one shared-memory handle per key (5 here)."""
+    ds = WindowDataset(built.path, "run-a", fields=["obs/state", "obs/flag"], window=6, stride=3)
+    order = list(BlockShuffleSampler(ds, block=4, seed=1))
+    plain = list(DataLoader(ds, batch_size=8, sampler=order))
+    packed = list(DataLoader(ds, batch_size=8, sampler=order, collate_fn=stack, num_workers=workers))
+    assert len(plain) == len(packed)
+    for want, got in zip(plain, packed, strict=True):
+        assert isinstance(got, Packed)
+        assert list(got) == list(want)
+        for key, value in want.items():
+            assert got[key].dtype == value.dtype
+            assert torch.equal(got[key], value)
+        if workers:
+            assert len({t.untyped_storage().data_ptr() for t in got.values()}) == 1
+    with pytest.raises(ValueError, match="'obs/state' differ in shape"):
+        stack([{"obs/state": torch.zeros(2, 3)}, {"obs/state": torch.zeros(3, 3)}])
+    with pytest.raises(ValueError, match="no items"):
+        stack([])
+    nested = Packed(a=torch.arange(3), b={"x": torch.ones(2, 2, dtype=torch.bool), "y": torch.zeros(0, 4)}, c={})
+    again = pickle.loads(pickle.dumps(nested))
+    assert list(again) == ["a", "b", "c"]
+    assert torch.equal(again["a"], nested["a"])
+    assert again["b"]["x"].dtype == torch.bool
+    assert torch.equal(again["b"]["x"], nested["b"]["x"])
+    assert again["b"]["y"].shape == (0, 4)
+    assert again["c"] == {}
 
 
 def test_windows_need_fields_of_terms_with_equal_rows(built: Built, tmp_path: Path) -> None:
