@@ -303,8 +303,7 @@ def _serve(args: argparse.Namespace, stop: threading.Event) -> int:
                 if server is not None:
                     server.poll()
                 handshakes.check(sub.statistics().failing_endpoints)
-            if args.exit_after_runs is not None and \
-                    daemon.statistics().runs_ended >= args.exit_after_runs:
+            if args.exit_after_runs is not None and daemon.runs_ended >= args.exit_after_runs:
                 break
         daemon.close()
         final = status.snapshot()

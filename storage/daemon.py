@@ -513,6 +513,12 @@ class StoreDaemon:
 
     # -- output --------------------------------------------------------------------------
 
+    @property
+    def runs_ended(self) -> int:
+        """Runs whose ``RunEnd`` was committed (``statistics().runs_ended``, without building
+        the whole snapshot: cheap enough to ask after every message)."""
+        return len(self._ended)
+
     def statistics(self) -> DaemonStatistics:
         """A frozen snapshot of the counters."""
         live = list(self.runs.values())
