@@ -6,6 +6,12 @@
 - :class:`IterableEpisodeDataset`: every episode once, sharded across DataLoader workers and
   distributed ranks, optionally shuffled with a seed.
 
+And for the DataLoader: :class:`BlockShuffleSampler` (a block-wise shuffle of a map-style
+dataset: a batch decodes a few chunks), and the collate functions :func:`concatenate`
+(episodes of different lengths: rows concatenated, with offsets) and :func:`stack` (items of
+equal shapes, as the default collate), whose batches (:class:`Packed`) a worker process sends
+as one piece of shared memory.
+
 Each takes a store (a :class:`storage.RunStore`, a local directory, an fsspec URL or a zarr
 store), a ``run`` (``None``: every run), a ``where`` expression (:meth:`RunStore.query`) and
 ``fields`` (``"<term>/<field>"`` names or term names; ``None``: every field). Its ``table`` is
@@ -16,9 +22,10 @@ once (``__getitems__``), each chunk once; every process (DataLoader worker) open
 again, so no zarr object is shared across a fork. Episodes differ in length: give
 :class:`torch.utils.data.DataLoader` ``collate_fn=concatenate`` (each key's rows concatenated,
 with offsets: :class:`Concatenated`), ``batch_size=None``, or a ``collate_fn`` that pads, or use
-:class:`WindowDataset`. With worker processes, batch with :func:`concatenate`: a batch crosses
-to the main process as one piece of shared memory, where every tensor of a list of items (or
-of items sent one by one) crosses on its own, each with its own shared-memory handle.
+:class:`WindowDataset`. With worker processes, batch with :func:`concatenate` or
+:func:`stack`: a batch crosses to the main process as one piece of shared memory, where every
+tensor of a list of items, of a plain dict (the default collate's) or of items sent one by one
+crosses on its own, each with its own shared-memory handle.
 
 ``import storage`` does not import this module (it needs torch.utils.data).
 """
