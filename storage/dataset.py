@@ -70,6 +70,7 @@ class _Source:
         self.rows = np.zeros(len(self.table), np.int64)
         self.terms: dict[str, dict[str, list[str]]] = {}
         names = self.table["run"]
+        reader._read_indexes(list(dict.fromkeys(names.tolist())))  # every run's at once
         for r in dict.fromkeys(names.tolist()):
             mine = names == r
             self.rows[mine] = reader._locate(r, self.table["world"][mine], self.table["index"][mine])

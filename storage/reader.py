@@ -594,6 +594,7 @@ class RunStore:
             raise ValueError(f"batch_bytes: expected a positive integer, got {batch_bytes!r}")
         table = self._select(run, episodes)
         names = table["run"]
+        self._read_indexes([str(r) for r in dict.fromkeys(names.tolist())])
         cuts = np.flatnonzero(names[1:] != names[:-1]) + 1 if len(names) else np.zeros(0, np.int64)
         plans = []
         for a, b in zip(np.r_[0, cuts].tolist(), np.r_[cuts, len(names)].tolist(), strict=True):
@@ -651,15 +652,25 @@ class RunStore:
         """The run's committed episode and segment tables (read once per :meth:`refresh`)."""
         index = self._indexes.get(run)
         if index is None:
-            n_seg = int(self.info(run)["committed"]["segments"])
-            ep = self._episode_table(run)
-            seg = self._columns(run, "segments", n_seg, dict.fromkeys(("topic", "offset", "rows"), "int64"))
+            self._read_indexes([run])
+            index = self._indexes[run]
+        return index
+
+    def _read_indexes(self, runs: Sequence[str]) -> None:
+        """Build the indexes of ``runs`` not built yet, their tables read at once (on an object
+        store)."""
+        todo = [r for r in dict.fromkeys(runs) if r not in self._indexes]
+        if not todo:
+            return
+        self._read_episode_tables(todo)
+        segments = self._tables([(r, "segments", int(self.info(r)["committed"]["segments"]),
+                                  dict.fromkeys(("topic", "offset", "rows"), "int64")) for r in todo])
+        for r, seg in zip(todo, segments, strict=True):
+            ep = self._episode_table(r)
             keys = _keys(ep["world"], ep["index"])
             order = np.argsort(keys, kind="stable")
-            index = _Index(ep["world"], ep["index"], keys[order], order, ep["segment_start"],
-                           ep["segment_count"], seg["topic"], seg["offset"], seg["rows"])
-            self._indexes[run] = index
-        return index
+            self._indexes[r] = _Index(ep["world"], ep["index"], keys[order], order, ep["segment_start"],
+                                      ep["segment_count"], seg["topic"], seg["offset"], seg["rows"])
 
     def _locate(self, run: str, world: np.ndarray, index: np.ndarray) -> np.ndarray:
         """Episode-table rows of the committed episodes ``(world[i], index[i])`` (the last

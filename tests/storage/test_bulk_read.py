@@ -294,6 +294,11 @@ def test_an_object_store_s_runs_tables_and_arrays_are_opened_at_once(built: Buil
     assert Slow.runs_peak >= 2, "the runs' episode tables were read one run after the other"
     assert sorted(set(every["run"].tolist())) == ["run-a", "run-b"]
     np.testing.assert_array_equal(every.where(every["run"] == "run-a")["world"], table["world"])
+    Slow.reset()
+    for got, key in zip(reader.read_episodes(episodes=every, fields=["obs/flag"]), keys(every), strict=False):
+        assert np.array_equal(got["obs/flag"], built.episodes["run-a"][key]["obs/flag"])
+        break  # the runs' indexes are built before the first episode
+    assert Slow.runs_peak >= 2, "the runs' segment tables were read one run after the other"
 
 
 def test_without_cache_and_after_many_small_batches(built: Built) -> None:
