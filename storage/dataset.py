@@ -98,7 +98,8 @@ class _Source:
         episode = torch.from_numpy(np.array(positions, dtype=np.int64))
         out: list[Item] = [{"episode": episode[i]} for i in range(len(positions))]
         names = self.table["run"][positions]
-        for r in dict.fromkeys(names.tolist()):
+        runs = list(dict.fromkeys(names.tolist()))
+        for r in runs:
             at = np.flatnonzero(names == r)
             data, offsets = reader._gather(r, self.rows[positions[at]], self.terms[r],
                                            None if start is None else start[at],
@@ -106,7 +107,27 @@ class _Source:
             whole = {n: torch.from_numpy(v) for n, v in data.items()}
             for k, i in enumerate(at.tolist()):
                 out[i].update({n: v[int(offsets[n][k]):int(offsets[n][k + 1])] for n, v in whole.items()})
+            if len(runs) == 1:
+                return _Read(out, episode, whole, offsets)
         return out
+
+
+class _Read(list[Item]):
+    """The items of one bulk read of one run, with the tensors they were cut from and where:
+    :func:`concatenate` takes those as they are while every item still holds exactly the
+    views the read made (no per-item checks of how the views lie)."""
+
+    def __init__(self, items: list[Item], episode: torch.Tensor, whole: dict[str, torch.Tensor],
+                 offsets: dict[str, np.ndarray]) -> None:
+        super().__init__(items)
+        self.episode, self.whole, self.offsets = episode, whole, offsets
+        self.made = [tuple(item.items()) for item in items]
+
+    def untouched(self) -> bool:
+        """Whether these are still the items the read made, each holding its very tensors."""
+        return len(self) == len(self.made) and all(
+            len(item) == len(made) and all(item.get(k) is v for k, v in made)
+            for item, made in zip(self, self.made, strict=True))
 
 
 def _positions(indices: Sequence[int], n: int) -> np.ndarray:
@@ -277,6 +298,9 @@ def concatenate(items: Sequence[Item]) -> Concatenated:
     Raises:
         ValueError: No items, or items with different keys (the message names the key).
     """
+    if isinstance(items, _Read) and items.untouched():
+        return Concatenated(episode=items.episode, data=dict(items.whole),
+                            offsets={k: torch.from_numpy(v) for k, v in items.offsets.items()})
     _same_keys(items, "concatenate")
     keys = [k for k in items[0] if k != "episode"]
     episode = torch.stack([torch.as_tensor(item["episode"], dtype=torch.int64) for item in items])

@@ -342,6 +342,12 @@ def test_concatenate_keeps_one_read_s_tensors_uncopied(built: Built) -> None:
         assert apart["data"][key].data_ptr() != value.data_ptr()
         assert torch.equal(apart["data"][key], value)
         assert torch.equal(apart["offsets"][key], batch["offsets"][key])
+    changed = ds.__getitems__(picks)
+    changed[1]["obs/state"] = changed[1]["obs/state"] * 2  # what a transform between read and collate does
+    doubled = concatenate(changed)
+    a, b = int(doubled["offsets"]["obs/state"][1]), int(doubled["offsets"]["obs/state"][2])
+    assert torch.equal(doubled["data"]["obs/state"][a:b], items[1]["obs/state"] * 2)
+    assert torch.equal(doubled["data"]["obs/state"][:a], items[0]["obs/state"])
     part = concatenate(items[1:3])  # views that do not cover their tensor: copied
     assert torch.equal(part["data"]["obs/state"], torch.cat([items[1]["obs/state"], items[2]["obs/state"]]))
     again = pickle.loads(pickle.dumps(batch))  # one packed tensor, views rebuilt
