@@ -491,11 +491,7 @@ class IterableEpisodeDataset(IterableDataset[Item]):
     def __iter__(self) -> Iterator[Item]:
         info = get_worker_info()
         worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
-        rank, world_size = self.rank, self.world_size
-        if rank is None or world_size is None:
-            dist = torch.distributed
-            ready = dist.is_available() and dist.is_initialized()
-            rank, world_size = (dist.get_rank(), dist.get_world_size()) if ready else (0, 1)
+        rank, world_size = _ranks(self.rank, self.world_size)
         positions = self.shard(rank, world_size, worker, workers)
         for a in range(0, len(positions), self.block):
             part = positions[a:a + self.block]
@@ -511,38 +507,75 @@ class BlockShuffleSampler(Sampler[int]):
     Neighbouring items lie in the same chunks of the store, so a batch drawn from a block
     decodes a few chunks, where a full shuffle (``shuffle=True``) decodes about one chunk per
     field for every item once the data read no longer fits the chunk cache (``cache_bytes``).
-    ``block=1`` shuffles fully. One process: with several distributed ranks, shard the indices
-    yourself or use :class:`IterableEpisodeDataset`.
+    ``block=1`` shuffles fully.
+
+    With distributed ranks (``rank``/``world_size``, by default ``torch.distributed``'s when it
+    is initialised), block ``j`` of the permuted order goes to rank ``j % world_size``, the
+    same permutation on every rank, and every rank yields as many indices, as
+    :class:`torch.utils.data.DistributedSampler` does: a rank short of the longest share
+    repeats indices of its own from its start (``drop_last=False``), or every rank stops at the
+    shortest share (``drop_last=True``; the surplus is left out of that epoch).
 
     Args:
         data_source: The dataset (or its length).
         block: Consecutive indices per block (>= 1).
         seed: Seed of the permutation (an integer >= 0).
+        rank, world_size: This process's rank and the number of ranks (together).
+        drop_last: Drop the surplus instead of repeating indices to even the ranks out.
 
     Raises:
-        ValueError: A bad ``block`` or ``seed``, or a negative length.
+        ValueError: A bad ``block``, ``seed``, ``rank`` or ``world_size``, or a negative length.
     """
 
-    def __init__(self, data_source: Sized | int, *, block: int = 256, seed: int = 0) -> None:
+    def __init__(self, data_source: Sized | int, *, block: int = 256, seed: int = 0, rank: int | None = None,
+                 world_size: int | None = None, drop_last: bool = False) -> None:
         super().__init__()
         for name, value, low in (("seed", seed, 0), ("block", block, 1)):
             if not isinstance(value, int) or isinstance(value, bool) or value < low:
                 raise ValueError(f"{name}: expected an integer >= {low}, got {value!r}")
+        if (rank is None) != (world_size is None):
+            raise ValueError(f"rank and world_size go together, got rank={rank!r} world_size={world_size!r}")
+        if world_size is not None:
+            _check_rank(rank, world_size)
         n = data_source if isinstance(data_source, int) else len(data_source)
         if n < 0:
             raise ValueError(f"data_source: expected a length >= 0, got {n}")
         self.n, self.block, self.seed, self.epoch = n, block, seed, 0
+        self.rank, self.world_size, self.drop_last = rank, world_size, bool(drop_last)
 
     def set_epoch(self, epoch: int) -> None:
         """Use the permutation of epoch ``epoch`` from now on."""
         self.epoch = int(epoch)
 
+    def indices(self) -> np.ndarray:
+        """This rank's indices of the current epoch, in order."""
+        rank, world_size = _ranks(self.rank, self.world_size)
+        order = _blocks(self.n, self.block, True, self.seed, self.epoch)
+        if world_size == 1:
+            return np.concatenate(order) if order else np.zeros(0, np.int64)
+        shares = [sum(len(b) for b in order[r::world_size]) for r in range(world_size)]
+        length = min(shares) if self.drop_last else max(shares)
+        mine = order[rank::world_size]
+        rows = np.concatenate(mine) if mine else np.zeros(0, np.int64)
+        if len(rows) < length:  # repeat this rank's first indices (any, if it has none)
+            rows = np.concatenate([rows, np.resize(rows if len(rows) else np.concatenate(order), length - len(rows))])
+        return rows[:length]
+
     def __len__(self) -> int:
-        return self.n
+        return self.n if _ranks(self.rank, self.world_size)[1] == 1 else len(self.indices())
 
     def __iter__(self) -> Iterator[int]:
-        for rows in _blocks(self.n, self.block, True, self.seed, self.epoch):
-            yield from rows.tolist()
+        yield from self.indices().tolist()
+
+
+def _ranks(rank: int | None, world_size: int | None) -> tuple[int, int]:
+    """``rank`` and ``world_size``, by default those of ``torch.distributed`` when it is
+    initialised, else 0 and 1."""
+    if rank is not None and world_size is not None:
+        return rank, world_size
+    dist = torch.distributed
+    ready = dist.is_available() and dist.is_initialized()
+    return (dist.get_rank(), dist.get_world_size()) if ready else (0, 1)
 
 
 def _blocks(n: int, block: int, shuffle: bool, seed: int, epoch: int) -> list[np.ndarray]:

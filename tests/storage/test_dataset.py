@@ -409,6 +409,43 @@ def test_block_shuffle_permutes_blocks_of_consecutive_indices() -> None:
             BlockShuffleSampler(10, **bad)
 
 
+@pytest.mark.parametrize("drop_last", [False, True])
+def test_block_shuffle_shares_whole_blocks_evenly_among_ranks(drop_last: bool) -> None:
+    """Each rank takes whole blocks of the same permutation, and every rank yields as many
+    indices (DistributedSampler's contract: ranks that disagree on the count hang at the last
+    collective). Without ``drop_last`` every index is yielded and the repeats even the ranks
+    out; with it nothing repeats and every rank stops at the shortest share."""
+    n, block, world_size = 1000, 64, 3
+    shares = [list(BlockShuffleSampler(n, block=block, seed=5, rank=r, world_size=world_size,
+                                       drop_last=drop_last)) for r in range(world_size)]
+    lengths = {len(s) for s in shares}
+    assert len(lengths) == 1
+    assert len(BlockShuffleSampler(n, block=block, seed=5, rank=1, world_size=world_size,
+                                   drop_last=drop_last)) == lengths.pop()
+    everything = [i for s in shares for i in s]
+    if drop_last:
+        assert len(set(everything)) == len(everything)
+    else:
+        assert set(everything) == set(range(n))
+        assert len(everything) - n < world_size * block
+    whole = list(BlockShuffleSampler(n, block=block, seed=5))
+    blocks = []
+    a = 0
+    while a < n:  # the permuted blocks, in order, cut where each ends (the last one is short)
+        size = min(block, n - whole[a] // block * block)
+        blocks.append(whole[a:a + size])
+        a += size
+    for r, share in enumerate(shares):
+        own = [i for b in blocks[r::world_size] for i in b]
+        assert share[:min(len(own), len(share))] == own[:len(share)]
+    # more ranks than blocks: a rank without a block repeats indices of the whole order
+    assert list(BlockShuffleSampler(2, block=64, rank=2, world_size=3)) == list(BlockShuffleSampler(2, block=64))
+    with pytest.raises(ValueError, match="rank and world_size go together"):
+        BlockShuffleSampler(n, rank=0)
+    with pytest.raises(ValueError, match="rank: expected 0 <= rank < world_size"):
+        BlockShuffleSampler(n, rank=3, world_size=3)
+
+
 CHUNK = re.compile(r"/c([./]\d+)+$")
 
 
