@@ -32,6 +32,7 @@ crosses on its own, each with its own shared-memory handle.
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Iterator, Sequence, Sized
 from typing import Any, Literal
@@ -315,18 +316,22 @@ def concatenate(items: Sequence[Item]) -> Concatenated:
 
 
 def _whole(parts: list[torch.Tensor]) -> torch.Tensor:
-    """``torch.cat(parts)``; the tensor they are views of, uncopied, when they cover it in order."""
+    """``torch.cat(parts)``; uncopied when they are views of one tensor's consecutive rows, in
+    order: that tensor, or the view of those rows."""
     base = parts[0]._base
-    if base is not None and base.is_contiguous() and all(
-            t._base is base and t.dtype == base.dtype and t.is_contiguous() for t in parts):
-        at = base.storage_offset()
+    row = math.prod(base.shape[1:]) if base is not None and base.dim() else 0
+    if base is not None and row and base.is_contiguous() and all(
+            t._base is base and t.dtype == base.dtype and t.is_contiguous() and t.shape[1:] == base.shape[1:]
+            for t in parts):
+        first = at = parts[0].storage_offset()
         for t in parts:
             if t.storage_offset() != at:
                 break
             at += t.numel()
         else:
-            if at == base.storage_offset() + base.numel():
-                return base
+            start, stop = first - base.storage_offset(), at - base.storage_offset()
+            if start % row == 0:
+                return base if (start, stop) == (0, base.numel()) else base[start // row:stop // row]
     return torch.cat(parts)
 
 

@@ -348,8 +348,11 @@ def test_concatenate_keeps_one_read_s_tensors_uncopied(built: Built) -> None:
     a, b = int(doubled["offsets"]["obs/state"][1]), int(doubled["offsets"]["obs/state"][2])
     assert torch.equal(doubled["data"]["obs/state"][a:b], items[1]["obs/state"] * 2)
     assert torch.equal(doubled["data"]["obs/state"][:a], items[0]["obs/state"])
-    part = concatenate(items[1:3])  # views that do not cover their tensor: copied
+    part = concatenate(items[1:3])  # consecutive views of part of their tensor: a view of those rows
     assert torch.equal(part["data"]["obs/state"], torch.cat([items[1]["obs/state"], items[2]["obs/state"]]))
+    assert part["data"]["obs/state"].data_ptr() == items[1]["obs/state"].data_ptr()
+    gap = concatenate([items[0], items[2]])  # not consecutive: copied
+    assert torch.equal(gap["data"]["obs/state"], torch.cat([items[0]["obs/state"], items[2]["obs/state"]]))
     again = pickle.loads(pickle.dumps(batch))  # one packed tensor, views rebuilt
     assert isinstance(again, Concatenated)
     for key, value in batch["data"].items():
