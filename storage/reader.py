@@ -123,6 +123,7 @@ class RunStore:
         self._indexes: dict[str, _Index] = {}
         self._arrays: dict[tuple[str, str, str], zarr.Array[Any]] = {}  # (run, term, node)
         self._episode_tables: dict[str, dict[str, np.ndarray]] = {}  # run -> its episode table's columns
+        self._variation_arrays: dict[str | None, Any] = {}  # run (None: all) -> its (X, Y) SampleArrays
         try:
             self.root = zarr.open_group(open_store(location, read_only=True), mode="r")
             info = self.root.attrs.get("worldtap")
@@ -146,6 +147,7 @@ class RunStore:
         self._indexes.clear()
         self._arrays.clear()
         self._episode_tables.clear()
+        self._variation_arrays.clear()
         self._meta.clear()
         self._nodes.clear()
         self._damaged.clear()
@@ -436,7 +438,9 @@ class RunStore:
         runs = [run] if run is not None else self.runs()
         if not any(self._meta[r].get("variations") for r in runs):
             return table
-        arrays = self.variation_table(run).arrays()
+        arrays = self._variation_arrays.get(run)
+        if arrays is None:  # the replay of every sample, once per refresh (never handed out: joined as copies)
+            arrays = self._variation_arrays[run] = self.variation_table(run).arrays()
         names = np.unique(np.concatenate([table["run"].astype(str), arrays.run.astype(str)]))
         found = _locate(
             (np.searchsorted(names, arrays.run.astype(str)), arrays.world, arrays.episode),
