@@ -211,9 +211,9 @@ class Packed(dict[str, Any]):
             layout.append((k, kk, t.dtype, tuple(t.shape), at, nbytes))
             at += -(-nbytes // 64) * 64
         packed = _buffer(at)
-        for (_, _, _, _, offset, nbytes), (_, _, t) in zip(layout, leaves, strict=True):
-            if nbytes:
-                packed[offset:offset + nbytes].copy_(t.contiguous().view(-1).view(torch.uint8))
+        for (_, _, dtype, shape, offset, nbytes), (_, _, t) in zip(layout, leaves, strict=True):
+            if nbytes:  # into a view of its own dtype and shape: any strides copy right
+                packed[offset:offset + nbytes].view(dtype).view(shape).copy_(t)
         return (_rebuild_packed, (type(self), nested, packed, layout))
 
 
