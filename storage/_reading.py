@@ -179,8 +179,6 @@ def _find(keys: np.ndarray, order: np.ndarray, want: np.ndarray) -> np.ndarray:
 def _missing_chunks(arr: zarr.Array[Any], start: int, stop: int) -> list[int]:
     """Row-chunk indices of ``arr`` within rows ``[start, stop)`` whose chunk is not stored
     (zarr would read them as the fill value)."""
-    from zarr.core.sync import sync
-
     rows = int(arr.chunks[0])
     first, last = start // rows, (stop - 1) // rows
     meta = arr.metadata
@@ -190,8 +188,6 @@ def _missing_chunks(arr: zarr.Array[Any], start: int, stop: int) -> list[int]:
     keys = [(i, prefix + meta.encode_chunk_key((i, *rest))) for i in range(first, last + 1)]
 
     async def check() -> list[bool]:
-        import asyncio
-
         return list(await asyncio.gather(*(store.exists(k) for _, k in keys)))
 
     found = sync(check())

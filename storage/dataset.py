@@ -317,7 +317,7 @@ def concatenate(items: Sequence[Item]) -> Concatenated:
 
 def _whole(parts: list[torch.Tensor]) -> torch.Tensor:
     """``torch.cat(parts)``; uncopied when they are views of one tensor's consecutive rows, in
-    order: that tensor, or the view of those rows."""
+    order: the view of those rows."""
     base = parts[0]._base
     row = math.prod(base.shape[1:]) if base is not None and base.dim() else 0
     if base is not None and row and base.is_contiguous() and all(
@@ -331,7 +331,7 @@ def _whole(parts: list[torch.Tensor]) -> torch.Tensor:
         else:
             start, stop = first - base.storage_offset(), at - base.storage_offset()
             if start % row == 0:
-                return base if (start, stop) == (0, base.numel()) else base[start // row:stop // row]
+                return base[start // row:stop // row]
     return torch.cat(parts)
 
 
@@ -458,13 +458,7 @@ class IterableEpisodeDataset(IterableDataset[Item]):
                  fields: Sequence[str] | None = None, *, shuffle: bool = False, seed: int = 0,
                  block: int = 64, rank: int | None = None, world_size: int | None = None,
                  cache_bytes: int = 256 << 20) -> None:
-        for name, value, low in (("seed", seed, 0), ("block", block, 1)):
-            if not isinstance(value, int) or isinstance(value, bool) or value < low:
-                raise ValueError(f"{name}: expected an integer >= {low}, got {value!r}")
-        if (rank is None) != (world_size is None):
-            raise ValueError(f"rank and world_size go together, got rank={rank!r} world_size={world_size!r}")
-        if world_size is not None:
-            _check_rank(rank, world_size)
+        _check_order(seed, block, rank, world_size)
         self.shuffle, self.seed, self.block = bool(shuffle), seed, block
         self.rank, self.world_size = rank, world_size
         self.epoch = 0
@@ -535,13 +529,7 @@ class BlockShuffleSampler(Sampler[int]):
     def __init__(self, data_source: Sized | int, *, block: int = 256, seed: int = 0, rank: int | None = None,
                  world_size: int | None = None, drop_last: bool = False) -> None:
         super().__init__()
-        for name, value, low in (("seed", seed, 0), ("block", block, 1)):
-            if not isinstance(value, int) or isinstance(value, bool) or value < low:
-                raise ValueError(f"{name}: expected an integer >= {low}, got {value!r}")
-        if (rank is None) != (world_size is None):
-            raise ValueError(f"rank and world_size go together, got rank={rank!r} world_size={world_size!r}")
-        if world_size is not None:
-            _check_rank(rank, world_size)
+        _check_order(seed, block, rank, world_size)
         n = data_source if isinstance(data_source, int) else len(data_source)
         if n < 0:
             raise ValueError(f"data_source: expected a length >= 0, got {n}")
@@ -597,6 +585,18 @@ def _blocks(n: int, block: int, shuffle: bool, seed: int, epoch: int) -> list[np
             rows = np.random.default_rng([seed, epoch, b]).permutation(rows)
         out.append(rows)
     return out
+
+
+def _check_order(seed: Any, block: Any, rank: Any, world_size: Any) -> None:
+    """Raises ValueError: a bad ``seed`` or ``block`` of a block shuffle, or ``rank`` and
+    ``world_size`` (given together, or neither)."""
+    for name, value, low in (("seed", seed, 0), ("block", block, 1)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < low:
+            raise ValueError(f"{name}: expected an integer >= {low}, got {value!r}")
+    if (rank is None) != (world_size is None):
+        raise ValueError(f"rank and world_size go together, got rank={rank!r} world_size={world_size!r}")
+    if world_size is not None:
+        _check_rank(rank, world_size)
 
 
 def _check_rank(rank: Any, world_size: Any) -> None:

@@ -32,7 +32,6 @@ whatever the number of fields.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from concurrent.futures import wait
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -53,7 +52,6 @@ from ._format import (
     open_store,
 )
 from ._reading import (
-    _array_threads,
     _at_once,
     _before,
     _ChunkCache,
@@ -155,28 +153,19 @@ class RunStore:
         if not isinstance(runs, zarr.Group):
             return
 
-        def open_run(node: str) -> dict[str, Any] | None:
-            group = runs.get(node)
-            if not isinstance(group, zarr.Group):
-                raise StoreDamagedError(f"runs/{node} is not a group")
-            return read_meta(group, node)
+        def open_run(node: str) -> tuple[Exception | None, dict[str, Any] | None]:
+            try:
+                group = runs.get(node)
+                if not isinstance(group, zarr.Group):
+                    raise StoreDamagedError(f"runs/{node} is not a group")
+                return None, read_meta(group, node)
+            except Exception as exc:  # that run only: the others stay readable
+                return exc, None
 
-        nodes = child_nodes(runs)
-        if len(nodes) > 1 and not _local(self.root.store):  # each run's attributes at once
-            futures = [_array_threads().submit(open_run, node) for node in nodes]
-            wait(futures)
-            opened = [(f.exception(), None if f.exception() else f.result()) for f in futures]
-        else:
-            opened = []
-            for node in nodes:
-                try:
-                    opened.append((None, open_run(node)))
-                except Exception as exc:
-                    opened.append((exc, None))
+        nodes = child_nodes(runs)  # each run's attributes at once on an object store
+        opened = _at_once([(open_run, (node,)) for node in nodes], not _local(self.root.store))
         for node, (failure, meta) in zip(nodes, opened, strict=True):
-            if failure is not None and not isinstance(failure, Exception):
-                raise failure
-            if failure is not None:  # that run only: the others stay readable
+            if failure is not None:
                 self._damaged[node] = str(failure) if isinstance(failure, StorageError) else repr(failure)
                 continue
             if meta is None:  # a run being created: nothing committed
@@ -781,26 +770,18 @@ class RunStore:
         return data, offsets
 
     def _take_all(self, run: str, jobs: Sequence[tuple[zarr.Array[Any], np.ndarray]]) -> list[np.ndarray]:
-        """:meth:`_take` of each ``(array, rows)``. Arrays read through zarr's asynchronous path
-        (object stores) are read concurrently, one thread each (up to :data:`storage._reading._ARRAYS_AT_ONCE`),
-        so that a read costs about one round trip rather than one per array; arrays of a local
-        store (whose chunks are fetched and decoded on threads already) one after the other.
+        """:meth:`_take` of each ``(array, rows)``. When two or more of them are read through
+        zarr's asynchronous path (object stores), the arrays are read concurrently, one thread
+        each (up to :data:`storage._reading._ARRAYS_AT_ONCE`), so that a read costs about one
+        round trip rather than one per array; arrays of a local store (whose chunks are fetched
+        and decoded on threads already) one after the other.
 
         Raises:
             StoreDamagedError: As :meth:`_take`, for the first damaged array in ``jobs`` order
                 (after every array's read has ended).
         """
-        remote = [_sync_codecs(arr.async_array) is None for arr, _ in jobs]
-        if sum(remote) < 2:
-            return [self._take(run, arr, src) for arr, src in jobs]
-        pool = _array_threads()
-        futures = {i: pool.submit(self._take, run, arr, src)
-                   for i, ((arr, src), far) in enumerate(zip(jobs, remote, strict=True)) if far}
-        try:  # in jobs order: the first error raised is the first damaged array's
-            return [futures[i].result() if i in futures else self._take(run, arr, src)
-                    for i, (arr, src) in enumerate(jobs)]
-        finally:
-            wait(futures.values())
+        remote = sum(_sync_codecs(arr.async_array) is None for arr, _ in jobs)
+        return _at_once([(self._take, (run, arr, src)) for arr, src in jobs], remote >= 2)
 
     def _take(self, run: str, arr: zarr.Array[Any], src: np.ndarray) -> np.ndarray:
         """Rows ``src`` of ``arr`` (in that order), each chunk they lie in read once.
