@@ -4,16 +4,21 @@ moments of a float field (:func:`moments`) and the count of a bool field (:func:
 numba is optional (``pip install 'worldtap[fast]'``): :func:`available` says whether it
 imports; each kernel is compiled at its first use (under a second, cached on disk where numba
 can write its cache).
+
+Where numba's threading layer may be called from any thread (OpenMP or TBB, not numba's own
+workqueue, which aborts when two threads launch at once), :func:`moments_parts` reduces a large
+batch's rows in parts on several threads (:func:`threads` says how many it may use).
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
-__all__ = ["CHUNK_ROWS", "available", "counts", "moments"]
+__all__ = ["CHUNK_ROWS", "available", "counts", "moments", "moments_parts", "threads"]
 
 CHUNK_ROWS = 16
 """Rows read as one wide row, and values each accumulator sums in the compute dtype before its
@@ -26,6 +31,21 @@ Counter = Callable[[np.ndarray, np.ndarray], None]
 _compiled: Kernel | None = None
 _counter: Counter | None = None
 _importable: bool | None = None
+_parts: Callable[..., None] | None = None
+_threads: int | None = None
+_forked = False
+
+SAFE_LAYERS = frozenset({"omp", "tbb"})
+"""numba's threading layers that any thread may launch at any time (its ``workqueue`` layer
+aborts the process when two threads launch parallel work at once)."""
+
+
+def _after_fork() -> None:  # a child of a fork keeps its parent's threading layer, whose
+    global _forked            # threads did not come with it: GNU OpenMP would hang there
+    _forked = True
+
+
+os.register_at_fork(after_in_child=_after_fork)
 
 
 def available() -> bool:
@@ -193,3 +213,42 @@ def moments() -> Kernel:
         # No fastmath: it would let the compiler drop the NaN tests of the minimum and maximum.
         _compiled = numba.njit(nogil=True, cache=True, boundscheck=False)(_moments)
     return _compiled
+
+
+def threads() -> int:
+    """The threads :func:`moments_parts` may use: numba's, where its threading layer is one of
+    :data:`SAFE_LAYERS`, else 1 (and 1 in a child of a fork). Starting the threading layer
+    once (at the first call) chooses it for the process, as numba's first parallel work would;
+    torch's thread count stays what it was.
+
+    Raises:
+        ImportError: numba is not installed.
+    """
+    global _threads
+    if _forked:
+        return 1
+    if _threads is None:
+        import numba
+        import torch
+
+        kept = torch.get_num_threads()
+        count = numba.get_num_threads()  # starts the threading layer, which sets OpenMP's thread
+        torch.set_num_threads(kept)      # count for the process: torch's would change with it
+        _threads = count if numba.threading_layer() in SAFE_LAYERS else 1  # type: ignore[attr-defined]
+    return _threads
+
+
+def moments_parts() -> Callable[..., None]:
+    """The compiled :func:`consumers._parallel.moments_parts`: the moments of a group of
+    fields (a tuple of arrays) in parts of rows, a part per thread, each into its own row of
+    an output ``[parts, 4, columns]``. Use it only where :func:`threads` is above 1.
+
+    Raises:
+        ImportError: numba is not installed.
+    """
+    global _parts
+    if _parts is None:
+        from . import _parallel
+
+        _parts = _parallel.moments_parts
+    return _parts

@@ -13,7 +13,8 @@ Nothing is read back to the host until :meth:`LiveStatistics.summary`.
 
 On the CPU, where numba is installed (``worldtap[fast]``), float32, float64 and bool fields
 are instead reduced by hand-written kernels (:mod:`consumers._kernels`) that read each field
-once and write its window row: no concatenation, no torch operation, one pass. With
+once and write its window row: no concatenation, no torch operation, one pass; a large batch
+in parts on several threads, each part into a window row of its own. With
 ``LiveStatistics(kernel="compile")`` each dtype's fields are reduced by one function compiled
 with :func:`torch.compile`, which also reads each field once: one fused kernel per field on the
 CPU, about as many on CUDA.
@@ -63,6 +64,12 @@ KERNELS = ("auto", "eager", "numba", "compile")
 
 _NATIVE_DTYPES = frozenset({torch.float32, torch.float64})
 """The field dtypes the numba kernel reduces (in their own dtype)."""
+
+_PART_BYTES = 512 * 1024
+"""On the CPU with numba, the least bytes of a dtype's fields per thread for a batch to be
+reduced on several threads (:func:`consumers._kernels.moments_parts`); a smaller batch is
+reduced in the calling thread, where waking the others would cost more than they save. At most
+``torch.get_num_threads()`` threads (the simulation's setting for its own CPU work)."""
 
 
 def _moments(parts: list[torch.Tensor], shift: torch.Tensor, compute: torch.dtype) -> torch.Tensor:
@@ -165,10 +172,13 @@ class _Group:
 
     With ``native`` (a numba kernel, for bool, float32 or float64 fields on the CPU), the whole
     batch is reduced field by field into one row, straight from the fields; ``split`` is then 1.
+    A float batch of at least two ``_PART_BYTES`` is cut into parts of rows reduced on as many
+    threads (at most ``torch.get_num_threads()`` and :func:`consumers._kernels.threads`), each
+    into a row of its own.
     """
 
-    __slots__ = ("buffer", "compiled", "compute", "exact", "filled", "fused", "index", "native", "offset", "shift",
-                 "slots", "split", "window", "work")
+    __slots__ = ("buffer", "compiled", "compute", "exact", "filled", "fused", "host", "index", "native", "offset",
+                 "shift", "slots", "split", "starts", "window", "work")
 
     def __init__(self, index: list[int], compute: torch.dtype, offset: torch.Tensor, exact: torch.Tensor,
                  fused: Fused | None, native: _kernels.Kernel | _kernels.Counter | None = None) -> None:
@@ -188,6 +198,8 @@ class _Group:
         # per window row: the row, and its shifted sums, sums of squares, minima and maxima
         self.slots: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = []
         self.filled = 0
+        self.starts: np.ndarray | None = None  # each field's first column, and the width (native, in parts)
+        self.host: tuple[np.ndarray, np.ndarray | None] | None = None  # numpy views of window and shift (native)
 
     def rows(self, first: torch.Tensor, n: int) -> int:
         """The rows of an eager block: ``_BLOCK_ROWS`` on the CPU, the whole batch on other
@@ -199,10 +211,23 @@ class _Group:
     def blocks(self, first: torch.Tensor, n: int) -> int:
         """The window rows a batch of ``n`` rows takes, at most."""
         if self.native is not None:
-            return 1
+            return self.parts(first, n)[0]
         if self.compiled:  # the whole chunks, and the rows after them
             return 1 + bool(n % _CHUNK_ROWS)
         return -(-n // self.rows(first, n))
+
+    def parts(self, first: torch.Tensor, n: int) -> tuple[int, int]:
+        """The parts a native batch of ``n`` rows is reduced in, and the rows of each (the last
+        part's fewer or as many): one part of ``n`` rows unless the batch is a float batch of at
+        least two ``_PART_BYTES`` and several threads may reduce it."""
+        if first.dtype == torch.bool or n * self.offset.shape[0] * first.element_size() < 2 * _PART_BYTES:
+            return 1, n
+        count = min(torch.get_num_threads(), _kernels.threads(),
+                    n * self.offset.shape[0] * first.element_size() // _PART_BYTES)
+        if count < 2:
+            return 1, n
+        rows = -(-n // count)
+        return -(-n // rows), rows
 
     def fits(self, tensors: Sequence[torch.Tensor], n: int) -> bool:
         """Whether the window has a row for each block of a batch of ``n`` rows."""
@@ -212,6 +237,13 @@ class _Group:
         """Reduce a batch into the next rows of the window (which :meth:`fits` it)."""
         parts = [tensors[i] if tensors[i].dim() == 2 else tensors[i].reshape(n, -1) for i in self.index]
         first = parts[0]
+        if self.native is not None:
+            count, rows = self.parts(first, n)
+            if len(self.slots) < self.filled + count:
+                self._window(max(_WINDOW_ROWS, count), first.device)
+            self._native(parts, self.filled, count, rows)
+            self.filled += count
+            return
         rows = self.rows(first, n)
         blocks = self.blocks(first, n)
         if not self.slots:
@@ -220,9 +252,7 @@ class _Group:
         if len(self.slots) < self.filled + blocks:
             self._window(max(_WINDOW_ROWS, blocks), first.device)
         row = self.filled
-        if self.native is not None:
-            self._native(parts, self.slots[row][0])
-        elif first.dtype == torch.bool:
+        if first.dtype == torch.bool:
             self._buffer(first, rows)
             assert self.buffer is not None
             x = torch.cat(parts, dim=1, out=self.buffer[:n])
@@ -263,29 +293,41 @@ class _Group:
         out.copy_(row)
         return True
 
-    def _native(self, parts: list[torch.Tensor], out: torch.Tensor) -> None:
-        """Reduce a batch with the numba kernel into ``out`` (a ``[4, width]`` window row), one
-        call per field, on numpy views of the fields (no copy, unless a field is not
-        contiguous: the kernels read it as contiguous chunks of rows); bool fields are counted
-        into its first row."""
+    def _native(self, parts: list[torch.Tensor], row: int, count: int, rows: int) -> None:
+        """Reduce a batch with the numba kernels into the window's rows ``row`` to ``row +
+        count`` (one, or one per part of ``rows`` rows, see :meth:`parts`), on numpy views of
+        the fields (no copy, unless a field is not contiguous: the kernels read it as contiguous
+        chunks of rows); one call per field, or one call for every field in parts. Bool fields
+        are counted into the row's first row (one column with numpy's count)."""
+        if self.host is None:  # numpy views of the window and the shift, made once
+            self.host = self.window.numpy(), self.shift.numpy() if self.shift is not None else None
+        window, shift = self.host
         if parts[0].dtype == torch.bool:
-            count = typing.cast(_kernels.Counter, self.native)
-            row, start = out.numpy(), 0
+            counts, start = window[row, 0], 0
             for p in parts:
                 end = start + p.shape[1]
-                count(p.contiguous().numpy().view(np.uint8), row[0, start:end])
+                if end - start == 1:
+                    counts[start] = np.count_nonzero(p.numpy())
+                else:
+                    typing.cast(_kernels.Counter, self.native)(p.contiguous().numpy().view(np.uint8),
+                                                                counts[start:end])
                 start = end
             return
-        native = typing.cast(_kernels.Kernel, self.native)
-        if self.shift is None:
+        if shift is None:
             self.shift = torch.cat([p[0] for p in parts]).to(self.compute)
             self.exact.copy_(self.shift)
-        shift, row = self.shift.numpy(), out.numpy()
-        start = 0
+            self.starts = np.cumsum([0] + [p.shape[1] for p in parts], dtype=np.int64)
+            self.host = window, shift = window, self.shift.numpy()
+        if count > 1:
+            _kernels.moments_parts()(tuple(p.detach().contiguous().numpy() for p in parts), shift, self.starts,
+                                     window[row:row + count], rows)
+            return
+        native = typing.cast(_kernels.Kernel, self.native)
+        out, start = window[row], 0
         for p in parts:
             end = start + p.shape[1]
-            native(p.detach().contiguous().numpy(), shift[start:end], row[0, start:end], row[1, start:end],
-                   row[2, start:end], row[3, start:end])
+            native(p.detach().contiguous().numpy(), shift[start:end], out[0, start:end], out[1, start:end],
+                   out[2, start:end], out[3, start:end])
             start = end
 
     def _buffer(self, first: torch.Tensor, rows: int) -> None:
@@ -298,6 +340,7 @@ class _Group:
 
     def _window(self, rows: int, device: torch.device) -> None:
         self.window = torch.empty(rows, 2 + 2 * self.split, self.offset.shape[0], dtype=self.compute, device=device)
+        self.host = None
         split = self.split
         self.slots = [(w, w[0], w[1], w[2:2 + split].view(-1), w[2 + split:].view(-1)) for w in self.window]
 
@@ -499,8 +542,12 @@ class LiveStatistics:
     - ``"eager"``: a handful of torch operations per dtype and batch (above).
     - ``"numba"``: float32, float64 and bool fields on the CPU are reduced by hand-written
       kernels that read each field once (at 4096 worlds of the benchmark payload, about 1.5x a
-      one-thread memcpy of the batch); other fields as ``"eager"``. The first batch compiles
-      the kernels (under a second; cached on disk). Needs ``pip install 'worldtap[fast]'``.
+      one-thread memcpy of the batch); other fields as ``"eager"``. A batch of a dtype's fields
+      of 1 MiB or more is cut into parts reduced on as many threads as torch uses
+      (``torch.get_num_threads()``), where numba's threading layer is OpenMP or TBB (about 2x
+      torch's two-thread memcpy of the same payload); torch's thread count is left as it was.
+      The first batch compiles the kernels (a few seconds for the threaded one; cached on
+      disk). Needs ``pip install 'worldtap[fast]'``.
     - ``"compile"``: each dtype's fields are reduced by a function compiled with
       :func:`torch.compile`, which reads each field once, on any device. The first batch of each
       field layout waits for the compilation (seconds); the compiled function serves every later
@@ -563,19 +610,13 @@ class LiveStatistics:
         n = batch.worlds.numel()
         if seen % self.every or n == 0:
             return
-        term = batch.term
-        keys: list[str] = []
-        tensors: list[torch.Tensor] = []
-        layout: list[object] = [batch.topic]
-        for name, t in batch.fields.items():
-            key = f"{term}/{name}"
-            if self.fields is None or key in self.fields:
-                keys.append(key)
-                tensors.append(t)
-                layout += (name, t.dtype, t.shape[1:], t.device)
-        plan = self._plans.get(tuple(layout)) if tensors else None
+        term, fields = batch.term, batch.fields
+        names = list(fields) if self.fields is None else [f for f in fields if f"{term}/{f}" in self.fields]
+        tensors = [fields[f] for f in names]
+        layout = (batch.topic, *[(f, t.dtype, t.shape[1:], t.device) for f, t in zip(names, tensors, strict=True)])
+        plan = self._plans.get(layout) if tensors else None
         if plan is None and tensors:
-            plan = self._plans[tuple(layout)] = self._plan(keys, tensors)
+            plan = self._plans[layout] = self._plan([f"{term}/{f}" for f in names], tensors)
         self._batches += 1
         if plan is not None:
             with torch.no_grad():

@@ -41,9 +41,10 @@ def batch(fields: Mapping[str, torch.Tensor], seq: int = 0, topic: str = "batch/
     return Batch("run", seq, seq, topic, torch.arange(n), torch.zeros(n, dtype=torch.int64), fields)
 
 
-MODES = pytest.mark.parametrize("kernel", ["eager", "numba", "compile"])
-"""The tests run with every reduction: eager torch operations, the numba kernel, and a function
-compiled with torch.compile."""
+MODES = pytest.mark.parametrize("kernel", ["eager", "numba", "numba-parts", "compile"], indirect=True)
+"""The tests run with every reduction: eager torch operations, the numba kernel (in the calling
+thread, and in parts on two threads: see conftest.py), and a function compiled with
+torch.compile."""
 
 
 def assert_matches(got: FieldStatistics, rows: np.ndarray, bounds: tuple[float, float], name: str = "") -> None:

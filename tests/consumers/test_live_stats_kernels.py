@@ -5,6 +5,10 @@ Their accuracy over long runs is tested in test_live_stats_accuracy.py (every ke
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 import torch
@@ -13,7 +17,7 @@ from test_live_stats_ops import steady_ops
 
 from consumers import LiveStatistics, _kernels
 
-KERNELS = pytest.mark.parametrize("kernel", ["eager", "numba", "compile"])
+KERNELS = pytest.mark.parametrize("kernel", ["eager", "numba", "numba-parts", "compile"], indirect=True)
 
 
 def odd_values(n: int, seed: int) -> torch.Tensor:
@@ -53,7 +57,7 @@ def test_nan_and_infinities_give_the_minima_and_maxima_numpy_gives(kernel: str) 
     assert np.isnan(got.std[0])
 
 
-@pytest.mark.parametrize("kernel", ["eager", "numba"])
+@pytest.mark.parametrize("kernel", ["eager", "numba", "numba-parts"], indirect=True)
 def test_a_nan_in_any_row_of_a_batch_makes_its_column_minimum_and_maximum_nan(kernel: str) -> None:
     # The numba kernel reads whole chunks of 16 rows as wide rows, then the rows after them,
     # and searches a column for NaN only when its sum is not finite: a NaN in the first row,
@@ -115,3 +119,114 @@ def test_without_numba_the_numba_kernel_is_refused_and_auto_reduces_eagerly(monk
 def test_with_numba_auto_uses_it() -> None:
     assert _kernels.available()  # the dev install has it: the numba tests above must not be eager twins
     assert steady_ops(4, 4096, "auto") == steady_ops(4, 4096, "numba") != steady_ops(4, 4096, "eager")
+
+
+def test_a_large_batch_is_reduced_in_parts_on_torch_s_threads(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The numba kernel reads each field once, but on one thread it is held to one core's
+    # bandwidth where torch's memcpy of the same payload uses every intra-op thread: a float
+    # batch of at least two _PART_BYTES is cut into parts, one per thread (torch's count, at
+    # most numba's), each reduced into a window row of its own; smaller batches stay whole.
+    if _kernels.threads() < 2:
+        pytest.skip("numba's threading layer here may not be launched from any thread")
+    shapes: list[tuple[int, ...]] = []
+    compiled = _kernels.moments_parts()
+
+    def counted(fields: object, shift: object, starts: object, out: np.ndarray, rows: int) -> None:
+        shapes.append(out.shape)
+        compiled(fields, shift, starts, out, rows)
+
+    monkeypatch.setattr(_kernels, "_parts", counted)
+    threads = torch.get_num_threads()
+    gen = torch.Generator().manual_seed(11)
+    published: list[np.ndarray] = []
+    try:
+        stats = LiveStatistics(kernel="numba")
+        for step, (count, n) in enumerate([(2, 4096), (1, 4096), (2, 300), (2, 4099)]):
+            torch.set_num_threads(count)
+            x = torch.randn(n, 165, generator=gen) * 3 + 1e3  # 4096 rows: 2.7 MB, the benchmark's
+            x[n - 1, 7] = float("nan")  # in the last part's last row
+            x[n // 3, 9] = float("inf")
+            stats(batch({"x": x, "d": x[:, :2].double()}, step))
+            published.append(x.double().numpy())
+    finally:
+        torch.set_num_threads(threads)
+    assert shapes == [(2, 4, 165), (2, 4, 165)]  # 300 rows (198 kB) and one thread: whole
+    got, every = stats.summary().fields["t/x"], np.concatenate(published)
+    np.testing.assert_array_equal(got.min, every.min(0))
+    np.testing.assert_array_equal(got.max, every.max(0))
+    assert got.count == every.shape[0]
+    finite = np.isfinite(every).all(0)
+    assert finite.sum() == 163
+    assert_matches(type(got)(got.count, got.mean[finite], got.std[finite], got.min[finite], got.max[finite]),
+                   every[:, finite], FLOAT32_BOUNDS)
+
+
+def test_the_threads_are_used_only_where_any_thread_may_launch_them(monkeypatch: pytest.MonkeyPatch) -> None:
+    import numba
+
+    monkeypatch.setattr(_kernels, "_threads", None)
+    monkeypatch.setattr(numba, "threading_layer", lambda: "workqueue")  # aborts on concurrent launches
+    assert _kernels.threads() == 1
+    monkeypatch.setattr(_kernels, "_threads", None)
+    monkeypatch.setattr(numba, "threading_layer", lambda: "omp")
+    assert _kernels.threads() == numba.get_num_threads()
+    monkeypatch.setattr(_kernels, "_forked", True)
+    assert _kernels.threads() == 1
+
+
+def test_a_child_of_a_fork_reduces_in_its_own_thread(tmp_path: object) -> None:
+    # GNU OpenMP's threads do not survive a fork: numba terminates a child that launches them
+    # ("fork() called from a process already using GNU OpenMP"). A child reduces in the
+    # calling thread, and gets what its parent gets.
+    if _kernels.threads() < 2:
+        pytest.skip("numba's threading layer here may not be launched from any thread")
+    x = torch.randn(4096, 165, generator=torch.Generator().manual_seed(3)) + 5
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        parent = LiveStatistics(kernel="numba")
+        parent(batch({"x": x}))  # the threading layer runs in this process
+        want = parent.summary().fields["t/x"]
+        read, write = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # pragma: no cover (the child)
+            code = 1
+            try:
+                os.close(read)
+                child = LiveStatistics(kernel="numba")
+                child(batch({"x": x}))
+                got = child.summary().fields["t/x"]
+                os.write(write, np.stack([got.mean, got.std, got.min, got.max]).tobytes())
+                code = 0
+            finally:
+                os._exit(code)
+        os.close(write)
+        with os.fdopen(read, "rb") as f:
+            data = f.read()
+        _, status = os.waitpid(pid, 0)
+    finally:
+        torch.set_num_threads(threads)
+    assert os.waitstatus_to_exitcode(status) == 0
+    got = np.frombuffer(data, np.float64).reshape(4, 165)
+    np.testing.assert_array_equal(got[2:], np.stack([want.min, want.max]))
+    np.testing.assert_allclose(got[:2], np.stack([want.mean, want.std]), rtol=1e-6)
+
+
+def test_starting_the_threads_leaves_torch_s_thread_count_alone() -> None:
+    # Starting numba's OpenMP layer sets OpenMP's thread count for the process, which is
+    # torch's: a simulation that asked torch for one thread got every core's worth. In a fresh
+    # process, as the layer starts once per process.
+    script = """
+import torch
+torch.set_num_threads(1)
+from consumers import LiveStatistics, _kernels
+from broker import Batch
+stats = LiveStatistics(kernel="numba")
+x = torch.randn(4096, 165)
+stats(Batch("run", 0, 0, "batch/t", torch.arange(4096), torch.zeros(4096, dtype=torch.int64), {"x": x}))
+print(_kernels.threads(), torch.get_num_threads())
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=True)
+    numba_threads, torch_threads = map(int, out.stdout.split())
+    assert torch_threads == 1
+    assert numba_threads >= 1
