@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -156,6 +157,32 @@ class _Checker:
     def __init__(self, reader: Any, run: str, node: str, tick: Callable[[int], None]) -> None:
         self.reader, self.run, self.node, self.tick = reader, run, node, tick
         self.problems: list[Problem] = []
+        # path -> what :meth:`prefetch` read: the array (or why it cannot be opened), its bad
+        # chunks and the values kept (None where it was not read)
+        self.fetched: dict[str, tuple[Any, dict[int, str] | None, np.ndarray | None]] = {}
+
+    def prefetch(self, wanted: Sequence[tuple[str, int, str | None]]) -> None:
+        """Open the arrays ``wanted`` (path, committed rows, the dtype of the values to keep or
+        ``None``) and read their chunks, all at once on the reader's array threads (an object
+        store, where each request waits a round trip); :meth:`array`, :meth:`chunks` and
+        :meth:`column` then take what was read, and record its problems where they are
+        called, in the order a check one array after the other records them."""
+        import zarr
+
+        from ._reading import _at_once
+
+        def one(path: str, n: int, dtype: str | None) -> tuple[Any, dict[int, str] | None, np.ndarray | None]:
+            try:
+                arr = self.reader.root.get(f"runs/{self.node}/{path}")
+            except Exception as exc:
+                return exc, None, None
+            if not isinstance(arr, zarr.Array) or arr.shape[0] < n:
+                return arr, None, None
+            values = np.zeros(n, dtype) if dtype is not None else None
+            return arr, self._read(arr, n, values), values
+
+        for (path, _, _), got in zip(wanted, _at_once([(one, w) for w in wanted], True), strict=True):
+            self.fetched[path] = got
 
     def problem(self, array: str, what: str, rows: tuple[int, int] | None = None,
                 chunk: int | None = None) -> None:
@@ -167,7 +194,9 @@ class _Checker:
         import zarr
 
         try:
-            arr = self.reader.root.get(f"runs/{self.node}/{path}")
+            arr = self.fetched[path][0] if path in self.fetched else self.reader.root.get(f"runs/{self.node}/{path}")
+            if isinstance(arr, Exception):
+                raise arr
         except Exception as exc:
             self.problem(path, f"cannot be opened: {exc!r}", (0, n))
             return None
@@ -183,6 +212,15 @@ class _Checker:
     def chunks(self, path: str, arr: Any, n: int, out: np.ndarray | None = None) -> dict[int, str]:
         """Read every chunk of ``arr`` holding its first ``n`` rows (into ``out`` when given);
         returns the bad chunks."""
+        _, bad, values = self.fetched.get(path, (None, None, None))
+        if bad is not None:  # read by prefetch
+            if out is not None:
+                assert values is not None
+                out[:] = values
+            return bad
+        return self._read(arr, n, out)
+
+    def _read(self, arr: Any, n: int, out: np.ndarray | None) -> dict[int, str]:
         rows = int(arr.chunks[0])
         ids = range(-(-n // rows))
 
@@ -238,7 +276,28 @@ def _counts(meta: dict[str, Any]) -> str | None:
     return None
 
 
-def _check_run(reader: Any, run: str, tick: Callable[[int], None]) -> RunReport:
+def _arrays(meta: dict[str, Any], n: int, n_seg: int, n_gap: int) -> list[tuple[str, int, str | None]]:
+    """Every array :func:`_check_run` reads: its path, committed rows and the dtype of the
+    values the check keeps (``None``: only whether its chunks are sound)."""
+    committed = meta["committed"]
+    wanted: list[tuple[str, int, str | None]] = [(f"episodes/{c}", n, dtype) for c, dtype in EPISODE_COLUMNS.items()]
+    wanted += [(f"episodes/{col}", n, "float64") for _, col in sorted(meta.get("outcomes", {}).items())]
+    wanted += [(f"segments/{c}", n_seg, "int64") for c in SEGMENT_COLUMNS]
+    wanted += [(f"gaps/{c}", n_gap, "int64") for c in GAP_COLUMNS]
+    for term in meta["topics"]:
+        rows = int(committed["rows"].get(term, 0))
+        if rows:
+            tnode = meta.get("term_nodes", {}).get(term, node_name(term))
+            wanted += [(f"data/{tnode}/{node_name(f)}", rows, None) for f in meta["fields"][term]]
+            wanted += [(f"data/{tnode}/{STEP_NODE}", rows, "int64"), (f"data/{tnode}/{HOOK_NODE}", rows, None)]
+    for key, vmeta in meta.get("variations", {}).items():
+        k = int(committed.get("variations", {}).get(key, 0))
+        wanted += [(f"variations/{vmeta['node']}/{c}", k, "int64") for c in VAR_COLUMNS]
+        wanted.append((f"variations/{vmeta['node']}/value", k, None))
+    return wanted
+
+
+def _check_run(reader: Any, run: str, tick: Callable[[int], None], remote: bool = False) -> RunReport:
     from .reader import RunStore
 
     assert isinstance(reader, RunStore)
@@ -252,6 +311,8 @@ def _check_run(reader: Any, run: str, tick: Callable[[int], None]) -> RunReport:
     committed = meta["committed"]
     n, n_seg, n_gap = (int(committed[k]) for k in ("episodes", "segments", "gaps"))
     topics: list[str] = meta["topics"]
+    if remote:  # every array this check reads, at once
+        check.prefetch(_arrays(meta, n, n_seg, n_gap))
     ep = check.table("episodes", EPISODE_COLUMNS, n)
     outcomes = {name: check.column(f"episodes/{col}", n, "float64")
                 for name, col in sorted(meta.get("outcomes", {}).items())}
@@ -460,11 +521,19 @@ def verify_store(location: StoreLocation, runs: Sequence[str] | None = None, *,
         StoreFormatError: ``location`` is not a run store.
         RunNotFoundError: A run of ``runs`` is not in the store.
     """
+    from ._reading import _local
     from .errors import RunNotFoundError
     from .reader import RunStore
 
     reader = RunStore(location, cache_bytes=0)
-    tick = progress or (lambda k: None)
+    remote = not _local(reader.root.store)  # an object store: each run's arrays read at once
+    lock = threading.Lock()
+
+    def tick(k: int) -> None:  # called from the reading threads
+        if progress is not None:
+            with lock:
+                progress(k)
+
     damaged = reader.damaged()
     if runs is not None:
         names = list(dict.fromkeys(runs))
@@ -479,7 +548,7 @@ def verify_store(location: StoreLocation, runs: Sequence[str] | None = None, *,
         if node in damaged:
             out.append(RunReport(name, node, None, None, [Problem(name, "", None, None, damaged[node])]))
         else:
-            out.append(_check_run(reader, name, tick))
+            out.append(_check_run(reader, name, tick, remote))
     return VerifyReport(str(location), out)
 
 

@@ -6,13 +6,16 @@ a store that verifies, that a second repair does not touch, and that a daemon st
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 import shutil
 import subprocess
 import sys
+from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any, ClassVar
 
 import numpy as np
 import pytest
@@ -131,6 +134,53 @@ DAMAGE: dict[str, tuple[Callable[[Path], int], str]] = {
 }
 
 
+def _same_report(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    """Two reports say the same of every run (the store's name aside; an array that cannot be
+    opened is named by the error's type, whose text names the store)."""
+    def strip(report: dict[str, Any]) -> str:
+        text = json.dumps(report["runs"])
+        return re.sub(r"cannot be opened: (\w+)\(.*?\)\\?\"", r"cannot be opened: \1", text)
+    return strip(a) == strip(b)
+
+
+class InFlight(zarr.storage.WrapperStore[Any]):
+    """A store whose every read takes 20 ms, counting the arrays of runs (``runs/<run>/<group>/
+    <array>`` and deeper; not the runs, which a reader opens at once) read at once."""
+
+    flight: ClassVar[Counter[str]] = Counter()
+    peak: ClassVar[int] = 0
+
+    async def get(self, key: str, *args: Any, **kwargs: Any) -> Any:
+        node = re.sub(r"/(c([./]\d+)+|zarr\.json)$", "", key)  # the array of a chunk or document
+        InFlight.flight[node] += 1
+        InFlight.peak = max(InFlight.peak, sum(1 for n, k in InFlight.flight.items() if k and n.count("/") >= 3))
+        try:
+            await asyncio.sleep(0.02)
+            return await self._store.get(key, *args, **kwargs)
+        finally:
+            InFlight.flight[node] -= 1
+
+    def _with_store(self, store: Any) -> InFlight:
+        return InFlight(store)
+
+
+def test_an_object_store_s_arrays_are_verified_at_once(base: tuple[Path, dict[str, Sim], dict[str, Spans]]) -> None:
+    """On an object store, verify opens and reads a run's arrays at once, not one after the
+    other (6 runs of 30 episodes, 20 ms a request: 12.9 s before, 1.9 s after); its report is
+    the local one, and progress counts every chunk once. Bug caught: one array at a time."""
+    path = base[0]
+    local: list[int] = []
+    want = verify_store(path, progress=local.append)
+    InFlight.peak = 0
+    counted: list[int] = []
+    got = verify_store(InFlight(zarr.storage.FsspecStore.from_url(f"file://{path}", read_only=True)),
+                       progress=counted.append)
+    assert InFlight.peak >= 2, "the arrays were read one after the other"
+    assert got.sound
+    assert _same_report(got.to_dict(), want.to_dict())
+    assert sum(counted) == sum(local) > 0
+
+
 def test_a_sound_store_verifies_clean(base: tuple[Path, dict[str, Sim], dict[str, Spans]]) -> None:
     """Long (multi-segment) episodes and variation samples verify, every chunk of every run
     read; a repair changes no byte."""
@@ -169,6 +219,9 @@ def test_repair_keeps_the_longest_verified_prefix(base: tuple[Path, dict[str, Si
     assert any(re.search(message, str(p)) for p in report.problems), \
         [str(p) for p in report.problems]
     assert {p.run for p in report.problems} == {"run-a"}
+    # through an object-store API (each run's arrays read at once): the same report
+    remote = verify_store(zarr.storage.FsspecStore.from_url(f"file://{path}", read_only=True))
+    assert _same_report(remote.to_dict(), report.to_dict())
 
     assert main(["repair", str(path)]) == 0
     assert f"kept {prefix} episode(s), removed {len(order) - prefix}" in capsys.readouterr().out
