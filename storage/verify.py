@@ -151,6 +151,10 @@ class _Column:
         self.bad = bad
 
 
+_BATCH = 64
+"""Chunks of an array read (and held decoded) at once."""
+
+
 class _Checker:
     """Checks one run (see :func:`verify_store`)."""
 
@@ -169,7 +173,7 @@ class _Checker:
         called, in the order a check one array after the other records them."""
         import zarr
 
-        from ._reading import _at_once
+        from ._reading import _ARRAYS_AT_ONCE, _at_once
 
         def one(path: str, n: int, dtype: str | None) -> tuple[Any, dict[int, str] | None, np.ndarray | None]:
             try:
@@ -179,7 +183,8 @@ class _Checker:
             if not isinstance(arr, zarr.Array) or arr.shape[0] < n:
                 return arr, None, None
             values = np.zeros(n, dtype) if dtype is not None else None
-            return arr, self._read(arr, n, values), values
+            # as many decoded chunks held at once, in all, as one array read alone holds
+            return arr, self._read(arr, n, values, _BATCH // _ARRAYS_AT_ONCE), values
 
         for (path, _, _), got in zip(wanted, _at_once([(one, w) for w in wanted], True), strict=True):
             self.fetched[path] = got
@@ -220,7 +225,7 @@ class _Checker:
             return bad
         return self._read(arr, n, out)
 
-    def _read(self, arr: Any, n: int, out: np.ndarray | None) -> dict[int, str]:
+    def _read(self, arr: Any, n: int, out: np.ndarray | None, batch: int = _BATCH) -> dict[int, str]:
         rows = int(arr.chunks[0])
         ids = range(-(-n // rows))
 
@@ -230,7 +235,7 @@ class _Checker:
                 out[i * rows:stop] = chunk[:stop - i * rows]
 
         bad: dict[int, str] = self.reader.check_chunks(self.run, arr, ids,
-                                                       place if out is not None else None)
+                                                       place if out is not None else None, batch=batch)
         self.tick(len(ids))
         return bad
 
