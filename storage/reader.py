@@ -33,7 +33,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from functools import partial
 from typing import Any
 
 import numpy as np
@@ -519,6 +518,9 @@ class RunStore:
                 r = str(names[a])
                 rows = self._locate(r, table["world"][a:b], table["index"][a:b])
                 plans.append((r, rows, self._fields(r, fields)))
+        # every run's arrays opened at once (an object store; damage raises where it is read)
+        self._open_all([(r, term, name, None) for r, _, terms in plans for term, names in terms.items()
+                        for name in names], quiet=True)
 
         def batches() -> Iterator[dict[str, np.ndarray]]:
             for r, rows, terms in plans:
@@ -712,9 +714,23 @@ class RunStore:
             StoreDamagedError: As :meth:`_array`, for the first of ``wanted`` that fails
                 (after every array's opening has ended).
         """
-        todo = [w for w in wanted if (run, w[0], node_name(w[1]) if w[2] is None else w[2]) not in self._arrays]
-        if not _local(self.root.store):  # elsewhere opened one by one where they are read
-            _at_once([(partial(self._array, node=node), (run, term, name)) for term, name, node in todo], True)
+        self._open_all([(run, *w) for w in wanted])
+
+    def _open_all(self, wanted: Sequence[tuple[str, str, str, str | None]], *, quiet: bool = False) -> None:
+        """:meth:`_open_arrays` of arrays ``(run, term, name, node)`` of any runs; with
+        ``quiet``, an array that cannot be opened is left to raise where it is read."""
+        todo = [w for w in wanted if (w[0], w[1], node_name(w[2]) if w[3] is None else w[3]) not in self._arrays]
+        if _local(self.root.store):  # elsewhere opened one by one where they are read
+            return
+
+        def one(run: str, term: str, name: str, node: str | None) -> None:
+            try:
+                self._array(run, term, name, node=node)
+            except StoreDamagedError:
+                if not quiet:
+                    raise
+
+        _at_once([(one, w) for w in todo], True)
 
     def _gather(self, run: str, rows: np.ndarray, terms: Mapping[str, Sequence[str]],
                 start: np.ndarray | None, stop: np.ndarray | None, *,

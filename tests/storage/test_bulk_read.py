@@ -301,6 +301,43 @@ def test_an_object_store_s_runs_tables_and_arrays_are_opened_at_once(built: Buil
     assert Slow.runs_peak >= 2, "the runs' segment tables were read one run after the other"
 
 
+def test_read_episodes_opens_every_run_s_arrays_at_once(built: Built) -> None:
+    """On an object store, ``read_episodes()`` over several runs opens the arrays of every run
+    before the first batch, at once: one run's, then the next's, one array after the other,
+    took 12 round trips a run for 6 fields (6 runs at 20 ms a request: 1946 ms, now 632).
+    Every episode still byte-equal to what was published, in order."""
+    reader = RunStore(Slow(zarr.storage.FsspecStore.from_url(f"file://{built.path}", read_only=True)))
+    every = reader.episodes()
+    for _ in reader.read_episodes(episodes=every, fields=["obs/flag"]):
+        break  # every run's index built, one array open in each
+    Slow.reset()
+    got = list(reader.read_episodes(episodes=every))
+    assert Slow.runs_peak >= 2, "the runs' arrays were opened one run after the other"
+    assert len(got) == len(every)
+    for episode, run, key in zip(got, every["run"].tolist(), keys(every), strict=True):
+        assert_same(episode, built.episodes[run][key])
+
+
+@pytest.mark.parametrize("kind", ["directory", "fsspec"])
+def test_a_run_s_damaged_array_raises_when_read_after_the_runs_before(built: Built, tmp_path: Path,
+                                                                     kind: str) -> None:
+    """Opening every run's arrays at once does not move the error: the runs before a run whose
+    array cannot be opened are read, then its first batch raises, naming it."""
+    path = tmp_path / "damaged.zarr"
+    shutil.copytree(built.path, path)
+    (path / "runs/run-b/data/obs/state/zarr.json").write_text('{"zarr_format": 3, "node_ty')
+    location: Any = path if kind == "directory" else zarr.storage.FsspecStore.from_url(f"file://{path}",
+                                                                                     read_only=True)
+    reader = RunStore(location)
+    every = reader.episodes()
+    episodes = reader.read_episodes(episodes=every)  # no error yet
+    first_b = every["run"].tolist().index("run-b")
+    for key in keys(every)[:first_b]:
+        assert_same(next(episodes), built.episodes["run-a"][key])
+    with pytest.raises(StoreDamagedError, match=r"run 'run-b'.*obs/state.*cannot be opened"):
+        next(episodes)
+
+
 def test_without_cache_and_after_many_small_batches(built: Built) -> None:
     """``cache_bytes=0`` reads every chunk from the store; a ``batch_bytes`` smaller than an
     episode reads one episode per batch. Bug caught: results that depend on the cache or on
