@@ -23,8 +23,10 @@ from .errors import StoreDamagedError
 
 _CONCURRENCY = 32
 """Chunk fetches in flight at once on zarr's asynchronous path (fsspec stores), per array."""
-_ARRAYS_AT_ONCE = 8
-"""Arrays read at once on zarr's asynchronous path (see :meth:`RunStore._take_all`)."""
+_ARRAYS_AT_ONCE = 32
+"""Arrays read at once on zarr's asynchronous path (see :meth:`RunStore._take_all`): each waits
+for round trips, not a core (6 runs of an object store answering each request in 20 ms:
+`read_episodes()` 635 ms with 8, 365 ms with 32; `verify` 1.9 s and 0.85 s)."""
 _array_pool: ThreadPoolExecutor | None = None
 _array_pool_lock = threading.Lock()
 
