@@ -338,6 +338,38 @@ def test_a_run_s_damaged_array_raises_when_read_after_the_runs_before(built: Bui
         next(episodes)
 
 
+class Asked(zarr.storage.WrapperStore[Any]):
+    """A store that counts the questions asked of it, by kind."""
+
+    asked: ClassVar[Counter[str]] = Counter()
+
+    async def get(self, key: str, *args: Any, **kwargs: Any) -> Any:
+        Asked.asked["get"] += 1
+        return await self._store.get(key, *args, **kwargs)
+
+    async def exists(self, key: str) -> bool:
+        Asked.asked["exists"] += 1
+        return await self._store.exists(key)
+
+    def _with_store(self, store: Any) -> Asked:
+        return Asked(store)
+
+
+def test_an_object_store_s_table_chunks_are_fetched_without_asking_first(built: Built) -> None:
+    """A table column's chunks are fetched once each on an object store, a missing one known by
+    its empty answer: asking whether each exists first was a round trip more per column (20 ms
+    a request: a fresh ``episodes()`` 161 -> 77 ms). The columns equal the local reader's."""
+    Asked.asked.clear()
+    reader = RunStore(Asked(zarr.storage.FsspecStore.from_url(f"file://{built.path}", read_only=True)))
+    got = reader.episodes()
+    assert Asked.asked["get"] > 0
+    assert Asked.asked["exists"] == 0, Asked.asked
+    want = RunStore(built.path).episodes()
+    assert list(got.columns) == list(want.columns)
+    for name in want.columns:
+        np.testing.assert_array_equal(got[name], want[name])
+
+
 def test_without_cache_and_after_many_small_batches(built: Built) -> None:
     """``cache_bytes=0`` reads every chunk from the store; a ``batch_bytes`` smaller than an
     episode reads one episode per batch. Bug caught: results that depend on the cache or on
