@@ -41,8 +41,8 @@ aborts the process when two threads launch parallel work at once)."""
 
 
 def _after_fork() -> None:  # a child of a fork keeps its parent's threading layer, whose
-    global _forked            # threads did not come with it: GNU OpenMP would hang there
-    _forked = True
+    global _forked            # threads did not come with it: numba terminates a child that
+    _forked = True            # launches GNU OpenMP work its parent started
 
 
 os.register_at_fork(after_in_child=_after_fork)

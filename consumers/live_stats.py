@@ -220,10 +220,10 @@ class _Group:
         """The parts a native batch of ``n`` rows is reduced in, and the rows of each (the last
         part's fewer or as many): one part of ``n`` rows unless the batch is a float batch of at
         least two ``_PART_BYTES`` and several threads may reduce it."""
-        if first.dtype == torch.bool or n * self.offset.shape[0] * first.element_size() < 2 * _PART_BYTES:
+        size = n * self.offset.shape[0] * first.element_size()
+        if first.dtype == torch.bool or size < 2 * _PART_BYTES:
             return 1, n
-        count = min(torch.get_num_threads(), _kernels.threads(),
-                    n * self.offset.shape[0] * first.element_size() // _PART_BYTES)
+        count = min(torch.get_num_threads(), _kernels.threads(), size // _PART_BYTES)
         if count < 2:
             return 1, n
         rows = -(-n // count)
