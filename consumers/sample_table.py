@@ -48,6 +48,24 @@ def _copy(value: Any) -> Any:
     return value
 
 
+def _last_at(world: np.ndarray, seq: np.ndarray, at_world: np.ndarray, at_seq: np.ndarray) -> np.ndarray:
+    """For each ``(at_world[i], at_seq[i])``, the position in ``world``/``seq`` of the last
+    entry of that world whose ``seq`` is at most ``at_seq[i]`` (the last in position among
+    equal numbers, as the last assignment wins), or -1."""
+    if not world.size:
+        return np.full(at_world.shape, -1, np.int64)
+    order = np.lexsort((np.arange(world.size), seq, world))  # by world, number, position
+    w, q = world[order], seq[order]
+    # (world, number) pairs as one sortable key: numbers shifted to start at 0
+    low = min(int(q.min()), int(at_seq.min()) if at_seq.size else 0)
+    span = max(int(q.max()), int(at_seq.max()) if at_seq.size else 0) - low + 1
+    keys = (w - int(w.min())) * span + (q - low)
+    wanted = (at_world - int(w.min())) * span + (at_seq - low)
+    pos = np.searchsorted(keys, wanted, side="right") - 1
+    ok = (pos >= 0) & (w[np.maximum(pos, 0)] == at_world)
+    return np.where(ok, order[np.maximum(pos, 0)], -1)
+
+
 def _host(t: torch.Tensor) -> np.ndarray:
     """An owned host copy of a (possibly borrowed, possibly device) tensor."""
     return np.array(t.detach().cpu().numpy(), copy=True)
@@ -285,6 +303,87 @@ class SampleTable:
         self._chunks.append(_Chunk(message.run, worlds, episodes, outcomes, extra, values, labels))
         self._outcomes.update(extra)
         self._rows += n
+
+    def add_run(self, run: str, samples: Mapping[str, Mapping[str, Any]], ends: Mapping[str, Any]) -> None:
+        """Append the finished episodes of a whole run at once, as its messages delivered in
+        publication order would: the table's rows are the same, in the same order (a reader
+        of a store replays a stored run with it). Like a ``RunEnd``, it leaves no join state
+        for the run; send its ``RunStart`` (for the declarations) as a message.
+
+        Args:
+            run: The run.
+            samples: Variation key -> ``seq``, ``world``, ``episode`` (``(n,)`` int arrays: each
+                sample's message number, world and episode), ``value`` (``(n, *shape)``),
+                ``phase`` and ``labels`` (a sequence, or ``None`` for a numeric key), the
+                samples of every message of that key, in stored (message, then row) order.
+            ends: ``world``, ``episode``, ``seq`` (the message number of each episode's end),
+                ``success``, ``terminated``, ``truncated``, ``length`` (``(m,)`` arrays) and
+                ``outcomes`` (name -> ``(m,)`` numeric array), in stored order.
+
+        Raises:
+            SampleTableError: As the messages would raise it.
+        """
+        world_e = np.asarray(ends["world"], np.int64)
+        order = np.argsort(np.asarray(ends["seq"], np.int64), kind="stable")  # end messages by number
+        world_e, seq_e = world_e[order], np.asarray(ends["seq"], np.int64)[order]
+        episode_e = np.asarray(ends["episode"], np.int64)[order]
+        m = world_e.shape[0]
+        outcomes = np.stack([np.asarray(ends[c])[order].astype(np.float64).reshape(m) for c in OUTCOME_COLUMNS],
+                            axis=1)
+        extra: dict[str, np.ndarray] = {}
+        for name, column in (ends.get("outcomes", {}) if m else {}).items():
+            if not isinstance(name, str) or not name or name in RESERVED_OUTCOMES:
+                raise SampleTableError(f"run {run!r}: outcome name {name!r:.80} must be a non-empty str "
+                                       f"not in {sorted(RESERVED_OUTCOMES)}")
+            extra[name] = np.asarray(column)[order].astype(np.float64)
+        values: dict[str, np.ndarray] = {}
+        labels: dict[str, np.ndarray] = {}
+        factors: dict[str, _Factor] = {}
+        for key, s in samples.items():
+            value = np.asarray(s["value"])
+            n = value.shape[0] if value.ndim else -1
+            if not n:  # no sample of the key: no message to join (a store holds no empty one)
+                continue
+            factor = factors[key] = _Factor(tuple(value.shape[1:]), s.get("labels") is not None)
+            known = self._factors.get(key, factor)
+            if known != factor:
+                raise SampleTableError(
+                    f"run {run!r} key {key!r}: expected per-world shape {known.shape} "
+                    f"({'categorical' if known.categorical else 'numeric'}), got {factor.shape} "
+                    f"({'categorical' if factor.categorical else 'numeric'})")
+            world_s, episode_s = np.asarray(s["world"], np.int64), np.asarray(s["episode"], np.int64)
+            seq_s = np.asarray(s["seq"], np.int64)
+            if n < 0 or world_s.shape != (n,) or episode_s.shape != (n,) or seq_s.shape != (n,):
+                raise SampleTableError(f"run {run!r} key {key!r}: expected value and episodes with a leading "
+                                       f"dimension of {world_s.shape[0]}, got shapes {value.shape} and "
+                                       f"{episode_s.shape}")
+            raw = value.reshape(n, factor.width)
+            label: np.ndarray | None = None
+            if factor.categorical:
+                vocabulary = np.empty(len(s["labels"]), dtype=object)
+                vocabulary[:] = list(s["labels"])
+                codes = raw[:, 0].astype(np.int64)
+                if n and (codes.min() < 0 or codes.max() >= len(vocabulary)):
+                    raise SampleTableError(f"run {run!r} key {key!r}: expected codes in [0, {len(vocabulary)}), "
+                                           f"got {codes.min()}..{codes.max()}")
+                label = vocabulary[codes]
+            # the world's last sample (by message number, then row) at or before the end's
+            # number: a build-time key's value, else a run-time key's where drawn in that episode
+            last = _last_at(world_s, seq_s, world_e, seq_e)
+            found = last >= 0
+            if s["phase"] == BUILD:
+                use = found & (episode_e != -1)  # -1: the join state's "no run-time episode"
+            else:
+                use = found & (episode_s[np.maximum(last, 0)] == episode_e)
+            values[key] = np.full((m, factor.width), np.nan)
+            values[key][use] = raw[last[use]]
+            if label is not None:
+                labels[key] = np.full(m, None, dtype=object)
+                labels[key][use] = label[last[use]]
+        self._factors.update(factors)  # nothing is kept of a run that fails a check
+        self._chunks.append(_Chunk(run, world_e, episode_e, outcomes, extra, values, labels))
+        self._outcomes.update(extra)
+        self._rows += m
 
     # -- reading -------------------------------------------------------------------------
 

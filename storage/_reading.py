@@ -9,7 +9,7 @@ import asyncio
 import os
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Any
 
@@ -280,12 +280,3 @@ def _at_once(calls: Sequence[tuple[Callable[..., Any], tuple[Any, ...]]], concur
         return [future.result() for future in futures]
     finally:
         wait(futures)
-
-def _groups(column: np.ndarray) -> Iterator[tuple[int, np.ndarray]]:
-    """Each distinct value of int64 ``column`` (ascending) and the positions that hold it (in
-    column order): one sort, where a mask per value would pass over the column once per value."""
-    order = np.argsort(column, kind="stable")
-    values, starts = np.unique(column[order], return_index=True)
-    bounds = np.r_[starts, len(column)]
-    for k, value in enumerate(values.tolist()):
-        yield value, order[bounds[k]:bounds[k + 1]]

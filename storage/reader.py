@@ -57,7 +57,6 @@ from ._reading import (
     _fetch,
     _find,
     _float32,
-    _groups,
     _keys,
     _local,
     _locate,
@@ -943,12 +942,11 @@ class RunStore:
 
     def variation_table(self, run: str | None = None) -> Any:
         """The (X = variation samples, Y = episode outcomes) table of the committed episodes
-        of ``run`` (every run when ``None``), as a :class:`consumers.SampleTable` built by
-        replaying the stored samples and episode ends in publication order; use its
-        ``arrays()``, ``to_numpy()``, ``rows()`` or ``to_pandas()``."""
-        import torch
-
-        from broker import EpisodeEnd, RunStart, VariationSample
+        of ``run`` (every run when ``None``), as a :class:`consumers.SampleTable` holding what
+        replaying the stored samples and episode ends in publication order gives, joined a
+        run at once (:meth:`consumers.SampleTable.add_run`); use its ``arrays()``,
+        ``to_numpy()``, ``rows()`` or ``to_pandas()``."""
+        from broker import RunStart
         from consumers.sample_table import SampleTable
 
         table = SampleTable()
@@ -959,28 +957,15 @@ class RunStore:
             table(RunStart(r, 0, 0, int(info["num_worlds"]), str(info["device"]),
                            variations=info["variations"], seed=info["seed"],
                            wall_time=float(info["started_at"] or 0.0)))
-            meta = self._meta[r]
-            events: list[tuple[int, int, Any]] = []
-            for key, vmeta in meta["variations"].items():
+            samples = {}
+            for key, vmeta in self._meta[r]["variations"].items():
                 s = self.variation_samples(r, key)
                 labels = from_json(vmeta["labels"])
-                labels = tuple(labels) if labels is not None else None
-                for seq, m in _groups(s["seq"]):
-                    events.append((seq, 0, VariationSample(
-                        r, seq, int(s["step"][m[0]]), key, vmeta["phase"],
-                        torch.from_numpy(s["world"][m]), torch.from_numpy(s["episode"][m]),
-                        torch.from_numpy(np.ascontiguousarray(s["value"][m])), labels)))
+                samples[key] = {"seq": s["seq"], "world": s["world"], "episode": s["episode"], "value": s["value"],
+                                "phase": vmeta["phase"], "labels": tuple(labels) if labels is not None else None}
             stored = self._episode_table(r)
-            cols = {c: stored[c] for c in ("world", "index", "length", "end_step", "end_seq")}
-            flags = {c: stored[c] for c in ("success", "terminated", "truncated")}
-            outcomes = self._outcomes(r)
-            for seq, m in _groups(cols["end_seq"]):
-                t = {k: torch.from_numpy(v[m]) for k, v in {**cols, **flags}.items()}
-                events.append((seq, 1, EpisodeEnd(r, seq, int(cols["end_step"][m[0]]),
-                                                  t["world"], t["index"], t["success"],
-                                                  t["terminated"], t["truncated"], t["length"],
-                                                  outcomes={k: torch.from_numpy(v[m]) for k, v in outcomes.items()})))
-            for _, _, message in sorted(events, key=lambda e: (e[0], e[1])):
-                table(message)
+            ends: dict[str, Any] = {c: stored[c] for c in ("world", "length", "success", "terminated", "truncated")}
+            table.add_run(r, samples, {**ends, "episode": stored["index"], "seq": stored["end_seq"],
+                                       "outcomes": self._outcomes(r)})
         return table
 

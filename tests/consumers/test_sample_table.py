@@ -4,14 +4,18 @@ from __future__ import annotations
 
 import math
 import random
+from typing import Any
 
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from broker import Broker, EpisodeEnd, RunEnd, VariationSample
 from capture import Recorder
 from capture.variations import ChoiceCfg, UniformCfg, Variation, VariationCfg, VariationRecorder
+from consumers.errors import SampleTableError
 from consumers.sample_table import OUTCOME_COLUMNS, SampleTable
 
 
@@ -271,3 +275,104 @@ def test_keeps_the_declarations_of_run_start_and_run_end() -> None:
     assert table.seed("a") == 9
     assert table.seed("b") is None
     assert table.declarations("unknown") == {}
+
+
+# -- a whole stored run at once (add_run) -----------------------------------------------------
+
+_KEYS = {"mass": ("build", (), None), "push": ("reset", (2,), None), "floor": ("reset", (), ("ice", "mud", "sand"))}
+
+
+@st.composite
+def stored_run(draw: st.DrawFn) -> tuple[list[tuple[int, Any]], dict[str, dict[str, Any]], dict[str, Any]]:
+    """A run's messages in publication order (numbered), and the same as stored columns:
+    samples of a build-time, a vector run-time and a categorical run-time key, and episode
+    ends, of worlds that repeat within a message, episodes that restart (and -1), ends of
+    worlds no sample reached, ends before any sample."""
+    worlds = draw(st.integers(1, 6))
+    w = st.integers(0, worlds + 1)  # a world past every sample's too
+    messages: list[tuple[int, Any]] = []
+    samples = {k: {"seq": [], "world": [], "episode": [], "value": []} for k in _KEYS}
+    ends: dict[str, list[Any]] = {c: [] for c in ("seq", "world", "episode", "success", "terminated",
+                                                  "truncated", "length", "return")}
+    for seq in range(draw(st.integers(0, 25))):
+        n = draw(st.integers(1, 4))  # a message of no rows leaves nothing in a store
+        ws = draw(st.lists(w, min_size=n, max_size=n))
+        eps = draw(st.lists(st.integers(-1, 3), min_size=n, max_size=n))
+        what = draw(st.sampled_from([*_KEYS, "end"]))
+        if what == "end":
+            success = draw(st.lists(st.booleans(), min_size=n, max_size=n))
+            ret = draw(st.lists(st.floats(-5, 5), min_size=n, max_size=n))
+            messages.append((seq, EpisodeEnd("r", seq, seq, _i(*ws), _i(*eps), _b(*success), _b(*[False] * n),
+                                             _b(*[not s for s in success]), _i(*[3] * n),
+                                             outcomes={"return": torch.tensor(ret, dtype=torch.float64)})))
+            for c, v in (("seq", [seq] * n), ("world", ws), ("episode", eps), ("success", success),
+                         ("terminated", [False] * n), ("truncated", [not s for s in success]),
+                         ("length", [3] * n), ("return", ret)):
+                ends[c] += v
+            continue
+        phase, shape, labels = _KEYS[what]
+        if labels is not None:
+            value = torch.tensor(draw(st.lists(st.integers(0, 2), min_size=n, max_size=n)), dtype=torch.float32)
+        else:
+            value = torch.tensor(draw(st.lists(st.floats(-9, 9, width=32), min_size=n * math.prod(shape),
+                                               max_size=n * math.prod(shape))), dtype=torch.float32)
+        value = value.reshape(n, *shape)
+        messages.append((seq, VariationSample("r", seq, seq, what, phase, _i(*ws), _i(*eps), value,  # type: ignore[arg-type]
+                                              labels)))
+        for c, v in (("seq", [seq] * n), ("world", ws), ("episode", eps)):
+            samples[what][c] += v
+        samples[what]["value"].append(value.numpy())
+    stored = {k: {"seq": np.array(s["seq"], np.int64), "world": np.array(s["world"], np.int64),
+                  "episode": np.array(s["episode"], np.int64),
+                  "value": np.concatenate(s["value"]) if s["value"] else np.zeros((0, *_KEYS[k][1]), np.float32),
+                  "phase": _KEYS[k][0], "labels": _KEYS[k][2]}
+              for k, s in samples.items() if s["seq"]}
+    columns = {c: np.array(v) for c, v in ends.items() if c != "return"}
+    columns["outcomes"] = {"return": np.array(ends["return"], np.float64)}
+    return messages, stored, columns
+
+
+def _same_table(a: SampleTable, b: SampleTable) -> None:
+    x, y = a.arrays(), b.arrays()
+    assert x.x_columns == y.x_columns
+    assert x.y_columns == y.y_columns
+    for name in ("run", "world", "episode"):
+        np.testing.assert_array_equal(getattr(x, name), getattr(y, name))
+    np.testing.assert_array_equal(x.x, y.x)  # NaN where the other has NaN
+    np.testing.assert_array_equal(x.y, y.y)
+    assert x.labels.keys() == y.labels.keys()
+    for key in x.labels:
+        assert x.labels[key].tolist() == y.labels[key].tolist()
+
+
+@settings(max_examples=300, deadline=None)
+@given(stored_run())
+def test_a_stored_run_added_at_once_joins_as_its_messages_do(
+        run: tuple[list[tuple[int, Any]], dict[str, dict[str, Any]], dict[str, Any]]) -> None:
+    # The join rule written twice (message by message, and at once with sorted lookups): the
+    # same rows in the same order, values, NaN and labels, for any run.
+    messages, samples, ends = run
+    live = SampleTable()
+    for _, message in messages:
+        live(message)
+    stored = SampleTable()
+    stored.add_run("r", samples, ends)
+    _same_table(stored, live)
+
+
+def test_add_run_checks_what_the_messages_check() -> None:
+    ends = {"seq": [1], "world": [0], "episode": [0], "success": [True], "terminated": [False],
+            "truncated": [False], "length": [2]}
+    table = SampleTable()
+    table.add_run("r", {"k": {"seq": [0], "world": [0], "episode": [0], "value": np.zeros((1, 2)),
+                              "phase": "reset", "labels": None}}, ends)
+    with pytest.raises(SampleTableError, match=r"key 'k': expected per-world shape \(2,\)"):
+        table.add_run("s", {"k": {"seq": [0], "world": [0], "episode": [0], "value": np.zeros(1),
+                                  "phase": "reset", "labels": None}}, ends)
+    with pytest.raises(SampleTableError, match=r"expected codes in \[0, 2\), got 0..2"):
+        table.add_run("s", {"c": {"seq": [0, 0], "world": [0, 1], "episode": [0, 0], "value": np.array([0, 2]),
+                                  "phase": "reset", "labels": ("a", "b")}}, ends)
+    with pytest.raises(SampleTableError, match=r"outcome name 'length'"):
+        table.add_run("s", {}, {**ends, "outcomes": {"length": np.ones(1)}})
+    assert len(table) == 1  # what failed added nothing
+    assert table.x_columns == ("k[0]", "k[1]")

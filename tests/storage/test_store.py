@@ -156,20 +156,6 @@ def test_queries_replay_the_variation_samples_once_per_refresh(broker: Broker, t
     assert replays == ["run-a", "run-a"]
 
 
-def test_variation_table_groups_by_sequence_number_in_stored_order() -> None:
-    """The (X, Y) table replays samples and episode ends grouped by sequence number with one
-    sort (a mask per number made it quadratic: 20,001 episodes took 3.7 s, 0.9 s of it
-    masks); each group must hold exactly the positions a mask would, in stored order."""
-    from storage._reading import _groups
-
-    column = np.random.default_rng(0).integers(0, 40, 1000)
-    groups = list(_groups(column))
-    assert [value for value, _ in groups] == np.unique(column).tolist()
-    for value, positions in groups:
-        np.testing.assert_array_equal(positions, np.flatnonzero(column == value))
-    assert list(_groups(np.zeros(0, np.int64))) == []
-
-
 def test_long_episode_far_beyond_budget(broker: Broker) -> None:
     store = zarr.storage.MemoryStore()
     daemon = StoreDaemon(store, memory_budget=64 << 10, commit_interval=0.0)
