@@ -54,9 +54,9 @@ RUN = "bench"
 TERM = "seed"
 
 
-def build_store(path: Path, args: Any) -> dict[str, Any]:
-    """Record ``args.episodes`` episodes (at least) into a store at ``path`` through the
-    daemon's path, in process; returns what was written."""
+def build_store(path: Path, args: Any, run: str = RUN) -> dict[str, Any]:
+    """Record ``args.episodes`` episodes (at least) of run ``run`` into a store at ``path``
+    through the daemon's path, in process; returns what was written."""
     from broker import Broker
     from capture.recorder import Recorder
     from capture.terms import FunctionTerm
@@ -69,7 +69,7 @@ def build_store(path: Path, args: Any) -> dict[str, Any]:
     daemon = StoreDaemon(path, memory_budget=args.memory_budget, chunk_bytes=args.chunk_size,
                          compression=args.compression, commit_interval=0.5)
     broker.subscribe("", daemon)
-    rec = Recorder(args.worlds, broker=broker, run=RUN)
+    rec = Recorder(args.worlds, broker=broker, run=run)
     current: dict[str, torch.Tensor] = {}
     rec.add_term(TERM, FunctionTerm(post_step=lambda: current))
     remaining = rng.integers(lo, hi, args.worlds)

@@ -23,6 +23,8 @@ TINY: dict[str, list[str]] = {
     "staging": ["--worlds", "8", "--camera", "4", "--repeats", "2", "--rounds", "1"],
     "read": ["--worlds", "4", "--episodes", "16", "--episode-length", "6", "--trials", "1",
              "--loop-episodes", "3", "--workers", "0"],
+    "object_store": ["--runs", "2", "--episodes", "4", "--worlds", "2", "--episode-length", "4",
+                     "--latency-ms", "1", "--trials", "1"],
 }
 
 MODULES = sorted(m.name for m in pkgutil.iter_modules(benchmarks.__path__) if not m.name.startswith("_"))
