@@ -329,18 +329,22 @@ class RunStore:
             table = self._episode_tables[run]
         return table
 
-    def _read_episode_tables(self, runs: Sequence[str]) -> None:
-        """Read the episode tables of ``runs`` not read yet (at once, on an object store)."""
+    def _read_episode_tables(self, runs: Sequence[str], also: Sequence[tuple[str, str, int, Mapping[str, str]]] = (),
+                             ) -> list[dict[str, np.ndarray]]:
+        """Read the episode tables of ``runs`` not read yet (at once, on an object store),
+        and the tables ``also`` (as :meth:`_tables` takes them) with them; returns those."""
         todo = [r for r in dict.fromkeys(runs) if r not in self._episode_tables]
-        if not todo:
-            return
         wanted = [(r, "episodes", int(self.info(r)["committed"]["episodes"]),
                    {**_EPISODE_COLUMNS, **dict.fromkeys(self._meta[r].get("outcomes", {}).values(), "float64")})
                   for r in todo]
-        for r, table in zip(todo, self._tables(wanted), strict=True):
+        if not wanted and not also:
+            return []
+        tables = self._tables([*wanted, *also])
+        for r, table in zip(todo, tables, strict=False):
             for column in table.values():
                 column.flags.writeable = False
             self._episode_tables[r] = table
+        return tables[len(wanted):]
 
     def episodes(self, run: str | None = None, **equal: Any) -> Table:
         """The committed episodes of ``run`` (all runs when ``None``), optionally filtered by
@@ -498,6 +502,8 @@ class RunStore:
             RunNotFoundError: No run ``run``.
             StoreDamagedError: Part of an episode is missing or corrupt in the store.
         """
+        if episodes is None and run in self._meta:  # the run's episode and segment tables at once
+            self._read_indexes([run])
         table = self._select(run, episodes)
         runs = list(dict.fromkeys(table["run"].tolist()))
         if len(runs) > 1:
@@ -530,6 +536,8 @@ class RunStore:
         """
         if not isinstance(batch_bytes, int) or batch_bytes < 1:
             raise ValueError(f"batch_bytes: expected a positive integer, got {batch_bytes!r}")
+        if episodes is None and (run is None or run in self._meta):  # every table at once
+            self._read_indexes(self.runs() if run is None else [run])
         table = self._select(run, episodes)
         names = table["run"]
         self._read_indexes([str(r) for r in dict.fromkeys(names.tolist())])
@@ -603,9 +611,9 @@ class RunStore:
         todo = [r for r in dict.fromkeys(runs) if r not in self._indexes]
         if not todo:
             return
-        self._read_episode_tables(todo)
-        segments = self._tables([(r, "segments", int(self.info(r)["committed"]["segments"]),
-                                  dict.fromkeys(("topic", "offset", "rows"), "int64")) for r in todo])
+        segments = self._read_episode_tables(todo, [(r, "segments", int(self.info(r)["committed"]["segments"]),
+                                                     dict.fromkeys(("topic", "offset", "rows"), "int64"))
+                                                    for r in todo])  # both tables at once
         for r, seg in zip(todo, segments, strict=True):
             ep = self._episode_table(r)
             keys = _keys(ep["world"], ep["index"])

@@ -370,6 +370,45 @@ def test_an_object_store_s_table_chunks_are_fetched_without_asking_first(built: 
         np.testing.assert_array_equal(got[name], want[name])
 
 
+class Tables(zarr.storage.WrapperStore[Any]):
+    """A store whose reads take 20 ms, noting which of a run's tables were read at once."""
+
+    flight: ClassVar[Counter[str]] = Counter()
+    together: ClassVar[set[frozenset[str]]] = set()
+
+    async def get(self, key: str, *args: Any, **kwargs: Any) -> Any:
+        parts = key.split("/")
+        table = parts[2] if len(parts) > 3 and parts[0] == "runs" else ""
+        Tables.flight[table] += 1
+        Tables.together.add(frozenset(t for t, k in Tables.flight.items() if t and k))
+        try:
+            await asyncio.sleep(0.02)
+            return await self._store.get(key, *args, **kwargs)
+        finally:
+            Tables.flight[table] -= 1
+
+    def _with_store(self, store: Any) -> Tables:
+        return Tables(store)
+
+
+@pytest.mark.parametrize("read", ["episode", "read_batch", "read_episodes"])
+def test_a_first_read_reads_the_episode_and_segment_tables_at_once(built: Built, read: str) -> None:
+    """A fresh reader's first ``episode()``, ``read_batch()`` or ``read_episodes()`` needs the
+    run's episode and segment tables: on an object store both are read at once (the segments
+    after the episodes took three round trips more: 20 ms a request, a first ``episode()``
+    219 -> 152 ms, ``read_batch()`` 218 -> 157 ms). Bug caught: one table after the other."""
+    Tables.together.clear()
+    reader = RunStore(Tables(zarr.storage.FsspecStore.from_url(f"file://{built.path}", read_only=True)))
+    key = keys(RunStore(built.path).episodes("run-a"))[0]
+    if read == "episode":
+        assert_same(reader.episode("run-a", *key), built.episodes["run-a"][key])
+    elif read == "read_batch":
+        assert_same(reader.read_batch("run-a").episode(0), built.episodes["run-a"][key])
+    else:
+        assert_same(next(iter(reader.read_episodes("run-a"))), built.episodes["run-a"][key])
+    assert any({"episodes", "segments"} <= t for t in Tables.together), "the tables were read one after the other"
+
+
 def test_without_cache_and_after_many_small_batches(built: Built) -> None:
     """``cache_bytes=0`` reads every chunk from the store; a ``batch_bytes`` smaller than an
     episode reads one episode per batch. Bug caught: results that depend on the cache or on
