@@ -26,6 +26,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -153,6 +154,9 @@ class _Column:
 
 _BATCH = 64
 """Chunks of an array read (and held decoded) at once."""
+
+_RUNS_AT_ONCE = 8
+"""Runs of an object store checked at once."""
 
 
 class _Checker:
@@ -547,14 +551,18 @@ def verify_store(location: StoreLocation, runs: Sequence[str] | None = None, *,
             raise RunNotFoundError(f"runs: {unknown} not in store {location!r}; runs: {reader.runs()}")
     else:
         names = [*reader.runs(), *damaged]
-    out = []
-    for name in names:
+    def check(name: str) -> RunReport:
         node = name if runs is None and name in damaged else node_name(name)
         if node in damaged:
-            out.append(RunReport(name, node, None, None, [Problem(name, "", None, None, damaged[node])]))
-        else:
-            out.append(_check_run(reader, name, tick, remote))
-    return VerifyReport(str(location), out)
+            return RunReport(name, node, None, None, [Problem(name, "", None, None, damaged[node])])
+        return _check_run(reader, name, tick, remote)
+
+    if not remote or len(names) < 2:
+        return VerifyReport(str(location), [check(name) for name in names])
+    # an object store: runs checked at once too (their reads share the reader's array threads,
+    # which bound the chunks held in all)
+    with ThreadPoolExecutor(min(len(names), _RUNS_AT_ONCE), thread_name_prefix="worldtap-verify") as pool:
+        return VerifyReport(str(location), list(pool.map(check, names)))
 
 
 @dataclass(frozen=True, slots=True)
