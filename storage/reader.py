@@ -32,6 +32,7 @@ whatever the number of fields.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -93,6 +94,10 @@ class _Index:
     topic: np.ndarray
     offset: np.ndarray
     rows: np.ndarray
+
+
+_RUNS_AT_ONCE = 8
+"""Batches of small runs :meth:`RunStore.read_episodes` reads at once from an object store."""
 
 
 class RunStore:
@@ -552,18 +557,51 @@ class RunStore:
         self._open_all([(r, term, name, None) for r, _, terms in plans for term, names in terms.items()
                         for name in names], quiet=True)
 
-        def batches() -> Iterator[dict[str, np.ndarray]]:
+        def pieces() -> Iterator[tuple[str, np.ndarray, Mapping[str, Sequence[str]], int] | Exception]:
+            """Each batch's run, rows, fields and bytes, in order; a run whose arrays cannot be
+            sized ends them with its error (raised where its episodes are due)."""
             for r, rows, terms in plans:
-                sizes = self._episode_bytes(r, rows, terms)
+                try:
+                    sizes = self._episode_bytes(r, rows, terms)
+                except StoreDamagedError as exc:
+                    yield exc
+                    return
                 ends = np.cumsum(sizes)
                 i = 0
                 while i < len(rows):
                     j = max(i + 1, int(np.searchsorted(ends, ends[i] - sizes[i] + batch_bytes, "right")))
-                    data, offsets = self._gather(r, rows[i:j], terms, None, None)
-                    for k in range(j - i):
-                        yield {n: v[offsets[n][k]:offsets[n][k + 1]] for n, v in data.items()}
+                    yield r, rows[i:j], terms, int(ends[j - 1] - ends[i] + sizes[i])
                     i = j
 
+        def waves() -> Iterator[list[tuple[str, np.ndarray, Mapping[str, Sequence[str]], int] | Exception]]:
+            """Consecutive batches of at most ``batch_bytes`` in all (at least one): on an object
+            store they are read at once (small runs: one round trip for several)."""
+            wave: list[Any] = []
+            total = 0
+            for piece in pieces():
+                if wave and (isinstance(piece, Exception) or total + piece[3] > batch_bytes or not remote):
+                    yield wave
+                    wave, total = [], 0
+                wave.append(piece)
+                total += 0 if isinstance(piece, Exception) else piece[3]
+            if wave:
+                yield wave
+
+        def batches() -> Iterator[dict[str, np.ndarray]]:
+            with ThreadPoolExecutor(_RUNS_AT_ONCE, thread_name_prefix="worldtap-read-runs") as pool:
+                for wave in waves():
+                    gathers = [piece if isinstance(piece, Exception) else
+                               pool.submit(self._gather, piece[0], piece[1], piece[2], None, None) if len(wave) > 1
+                               else self._gather(piece[0], piece[1], piece[2], None, None) for piece in wave]
+                    for piece, got in zip(wave, gathers, strict=True):
+                        if isinstance(got, Exception):
+                            raise got
+                        assert not isinstance(piece, Exception)
+                        data, offsets = got.result() if isinstance(got, Future) else got
+                        for k in range(len(piece[1])):
+                            yield {n: v[offsets[n][k]:offsets[n][k + 1]] for n, v in data.items()}
+
+        remote = not _local(self.root.store)
         return batches()
 
     def _select(self, run: str | None, episodes: Table | str | None) -> Table:

@@ -409,6 +409,47 @@ def test_a_first_read_reads_the_episode_and_segment_tables_at_once(built: Built,
     assert any({"episodes", "segments"} <= t for t in Tables.together), "the tables were read one after the other"
 
 
+class DataChunks(zarr.storage.WrapperStore[Any]):
+    """A store whose reads take 20 ms, counting the runs whose data chunks are read at once."""
+
+    flight: ClassVar[Counter[str]] = Counter()
+    peak: ClassVar[int] = 0
+
+    async def get(self, key: str, *args: Any, **kwargs: Any) -> Any:
+        parts = key.split("/")
+        run = parts[1] if len(parts) > 4 and parts[2] == "data" and not key.endswith("zarr.json") else ""
+        DataChunks.flight[run] += 1
+        DataChunks.peak = max(DataChunks.peak, sum(1 for r, k in DataChunks.flight.items() if r and k))
+        try:
+            await asyncio.sleep(0.02)
+            return await self._store.get(key, *args, **kwargs)
+        finally:
+            DataChunks.flight[run] -= 1
+
+    def _with_store(self, store: Any) -> DataChunks:
+        return DataChunks(store)
+
+
+def test_read_episodes_reads_small_runs_at_once(built: Built) -> None:
+    """Runs smaller than a batch are read at once on an object store (6 runs of 30 episodes at
+    20 ms a request: ``read_episodes()`` 363 -> 264 ms); episodes still come in order, each
+    byte-equal. Bug caught: one run's chunks after the other's."""
+    reader = RunStore(DataChunks(zarr.storage.FsspecStore.from_url(f"file://{built.path}", read_only=True)))
+    every = reader.episodes()
+    DataChunks.peak = 0
+    got = list(reader.read_episodes(episodes=every))
+    assert DataChunks.peak >= 2, "the runs' chunks were read one run after the other"
+    assert len(got) == len(every)
+    for episode, run, key in zip(got, every["run"].tolist(), keys(every), strict=True):
+        assert_same(episode, built.episodes[run][key])
+    reader = RunStore(DataChunks(zarr.storage.FsspecStore.from_url(f"file://{built.path}", read_only=True)))
+    DataChunks.peak = 0
+    small = list(reader.read_episodes(episodes=every, batch_bytes=1))  # a batch per episode, one at a time
+    assert DataChunks.peak == 1
+    for a, b in zip(small, got, strict=True):
+        assert_same(a, b)
+
+
 def test_without_cache_and_after_many_small_batches(built: Built) -> None:
     """``cache_bytes=0`` reads every chunk from the store; a ``batch_bytes`` smaller than an
     episode reads one episode per batch. Bug caught: results that depend on the cache or on
