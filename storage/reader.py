@@ -32,7 +32,7 @@ whatever the number of fields.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -563,7 +563,7 @@ class RunStore:
             for r, rows, terms in plans:
                 try:
                     sizes = self._episode_bytes(r, rows, terms)
-                except StoreDamagedError as exc:
+                except StorageError as exc:
                     yield exc
                     return
                 ends = np.cumsum(sizes)
@@ -590,14 +590,14 @@ class RunStore:
         def batches() -> Iterator[dict[str, np.ndarray]]:
             with ThreadPoolExecutor(_RUNS_AT_ONCE, thread_name_prefix="worldtap-read-runs") as pool:
                 for wave in waves():
-                    gathers = [piece if isinstance(piece, Exception) else
-                               pool.submit(self._gather, piece[0], piece[1], piece[2], None, None) if len(wave) > 1
-                               else self._gather(piece[0], piece[1], piece[2], None, None) for piece in wave]
-                    for piece, got in zip(wave, gathers, strict=True):
-                        if isinstance(got, Exception):
-                            raise got
-                        assert not isinstance(piece, Exception)
-                        data, offsets = got.result() if isinstance(got, Future) else got
+                    # each batch's read: started on the pool when the wave has several
+                    started = [pool.submit(self._gather, p[0], p[1], p[2], None, None)
+                               if len(wave) > 1 and not isinstance(p, Exception) else None for p in wave]
+                    for piece, future in zip(wave, started, strict=True):
+                        if isinstance(piece, Exception):
+                            raise piece
+                        data, offsets = future.result() if future is not None else \
+                            self._gather(piece[0], piece[1], piece[2], None, None)
                         for k in range(len(piece[1])):
                             yield {n: v[offsets[n][k]:offsets[n][k + 1]] for n, v in data.items()}
 
