@@ -37,6 +37,7 @@ it, and every DataLoader item.
 
 from __future__ import annotations
 
+import argparse
 import shutil
 import sys
 import tempfile
@@ -90,6 +91,17 @@ def build_store(path: Path, args: Any, run: str = RUN) -> dict[str, Any]:
     finally:
         daemon.close()
     return {"steps": int(rec.step), "episodes": ended}
+
+
+def store_arguments(parser: argparse.ArgumentParser, *, chunk_size: int = 1 << 20) -> None:
+    """The options of :func:`build_store` (with ``--episodes``, ``--worlds`` and
+    ``--episode-length``, which each benchmark gives its own defaults), and where the store goes."""
+    parser.add_argument("--memory-budget", type=int, default=1 << 30,
+                        help="the daemon's memory budget (small: episodes stored in fragments)")
+    parser.add_argument("--compression", default="lz4", choices=("lz4", "zstd", "none"))
+    parser.add_argument("--chunk-size", type=int, default=chunk_size)
+    parser.add_argument("--dir", default=None, help="where the store goes (default: a temp dir)")
+    parser.add_argument("--seed", type=int, default=0)
 
 
 def _nbytes(episode: dict[str, np.ndarray]) -> int:
@@ -246,12 +258,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="rows per window of the windows cases (stride the same: every row once; 0: none)")
     parser.add_argument("--window-cache-bytes", type=int, default=32 << 20,
                         help="the chunk cache of the windows cases: less than the rows read, as a long run's")
-    parser.add_argument("--memory-budget", type=int, default=1 << 30,
-                        help="the daemon's memory budget (small: episodes stored in fragments)")
-    parser.add_argument("--compression", default="lz4", choices=("lz4", "zstd", "none"))
-    parser.add_argument("--chunk-size", type=int, default=1 << 20)
-    parser.add_argument("--dir", default=None, help="where the store goes (default: a temp dir)")
-    parser.add_argument("--seed", type=int, default=0)
+    store_arguments(parser)
     args = parser.parse_args(argv)
     root = Path(tempfile.mkdtemp(prefix="worldtap-read-", dir=args.dir))
     try:
