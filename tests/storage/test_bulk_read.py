@@ -14,6 +14,7 @@ import asyncio
 import re
 import shutil
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
@@ -370,25 +371,43 @@ def test_an_object_store_s_table_chunks_are_fetched_without_asking_first(built: 
         np.testing.assert_array_equal(got[name], want[name])
 
 
-class Tables(zarr.storage.WrapperStore[Any]):
-    """A store whose reads take 20 ms, noting which of a run's tables were read at once."""
+class Together(zarr.storage.WrapperStore[Any]):
+    """A store whose reads take 20 ms, noting each set of labels (``label(key)``; "" counts
+    for nothing) that had reads in flight at once: :meth:`watch` sets the label and forgets."""
 
+    label: ClassVar[Callable[[str], str]] = staticmethod(lambda key: "")
     flight: ClassVar[Counter[str]] = Counter()
     together: ClassVar[set[frozenset[str]]] = set()
 
+    @classmethod
+    def watch(cls, label: Callable[[str], str]) -> None:
+        cls.label = staticmethod(label)
+        cls.together.clear()
+
     async def get(self, key: str, *args: Any, **kwargs: Any) -> Any:
-        parts = key.split("/")
-        table = parts[2] if len(parts) > 3 and parts[0] == "runs" else ""
-        Tables.flight[table] += 1
-        Tables.together.add(frozenset(t for t, k in Tables.flight.items() if t and k))
+        label = Together.label(key)
+        Together.flight[label] += 1
+        Together.together.add(frozenset(t for t, k in Together.flight.items() if t and k))
         try:
             await asyncio.sleep(0.02)
             return await self._store.get(key, *args, **kwargs)
         finally:
-            Tables.flight[table] -= 1
+            Together.flight[label] -= 1
 
-    def _with_store(self, store: Any) -> Tables:
-        return Tables(store)
+    def _with_store(self, store: Any) -> Together:
+        return Together(store)
+
+
+def table_of(key: str) -> str:
+    """The table (or data, or variations) a key of a run lies in."""
+    parts = key.split("/")
+    return parts[2] if len(parts) > 3 and parts[0] == "runs" else ""
+
+
+def run_of_data_chunk(key: str) -> str:
+    """The run of a key that is a data chunk."""
+    parts = key.split("/")
+    return parts[1] if len(parts) > 4 and parts[2] == "data" and not key.endswith("zarr.json") else ""
 
 
 @pytest.mark.parametrize("read", ["episode", "read_batch", "read_episodes"])
@@ -397,8 +416,8 @@ def test_a_first_read_reads_the_episode_and_segment_tables_at_once(built: Built,
     run's episode and segment tables: on an object store both are read at once (the segments
     after the episodes took three round trips more: 20 ms a request, a first ``episode()``
     219 -> 152 ms, ``read_batch()`` 218 -> 157 ms). Bug caught: one table after the other."""
-    Tables.together.clear()
-    reader = RunStore(Tables(zarr.storage.FsspecStore.from_url(f"file://{built.path}", read_only=True)))
+    Together.watch(table_of)
+    reader = RunStore(Together(zarr.storage.FsspecStore.from_url(f"file://{built.path}", read_only=True)))
     key = keys(RunStore(built.path).episodes("run-a"))[0]
     if read == "episode":
         assert_same(reader.episode("run-a", *key), built.episodes["run-a"][key])
@@ -406,46 +425,26 @@ def test_a_first_read_reads_the_episode_and_segment_tables_at_once(built: Built,
         assert_same(reader.read_batch("run-a").episode(0), built.episodes["run-a"][key])
     else:
         assert_same(next(iter(reader.read_episodes("run-a"))), built.episodes["run-a"][key])
-    assert any({"episodes", "segments"} <= t for t in Tables.together), "the tables were read one after the other"
-
-
-class DataChunks(zarr.storage.WrapperStore[Any]):
-    """A store whose reads take 20 ms, counting the runs whose data chunks are read at once."""
-
-    flight: ClassVar[Counter[str]] = Counter()
-    peak: ClassVar[int] = 0
-
-    async def get(self, key: str, *args: Any, **kwargs: Any) -> Any:
-        parts = key.split("/")
-        run = parts[1] if len(parts) > 4 and parts[2] == "data" and not key.endswith("zarr.json") else ""
-        DataChunks.flight[run] += 1
-        DataChunks.peak = max(DataChunks.peak, sum(1 for r, k in DataChunks.flight.items() if r and k))
-        try:
-            await asyncio.sleep(0.02)
-            return await self._store.get(key, *args, **kwargs)
-        finally:
-            DataChunks.flight[run] -= 1
-
-    def _with_store(self, store: Any) -> DataChunks:
-        return DataChunks(store)
+    assert any({"episodes", "segments"} <= t for t in Together.together), \
+        "the tables were read one after the other"
 
 
 def test_read_episodes_reads_small_runs_at_once(built: Built) -> None:
     """Runs smaller than a batch are read at once on an object store (6 runs of 30 episodes at
     20 ms a request: ``read_episodes()`` 363 -> 264 ms); episodes still come in order, each
     byte-equal. Bug caught: one run's chunks after the other's."""
-    reader = RunStore(DataChunks(zarr.storage.FsspecStore.from_url(f"file://{built.path}", read_only=True)))
+    reader = RunStore(Together(zarr.storage.FsspecStore.from_url(f"file://{built.path}", read_only=True)))
     every = reader.episodes()
-    DataChunks.peak = 0
+    Together.watch(run_of_data_chunk)
     got = list(reader.read_episodes(episodes=every))
-    assert DataChunks.peak >= 2, "the runs' chunks were read one run after the other"
+    assert max(map(len, Together.together)) >= 2, "the runs' chunks were read one run after the other"
     assert len(got) == len(every)
     for episode, run, key in zip(got, every["run"].tolist(), keys(every), strict=True):
         assert_same(episode, built.episodes[run][key])
-    reader = RunStore(DataChunks(zarr.storage.FsspecStore.from_url(f"file://{built.path}", read_only=True)))
-    DataChunks.peak = 0
+    reader = RunStore(Together(zarr.storage.FsspecStore.from_url(f"file://{built.path}", read_only=True)))
+    Together.watch(run_of_data_chunk)
     small = list(reader.read_episodes(episodes=every, batch_bytes=1))  # a batch per episode, one at a time
-    assert DataChunks.peak == 1
+    assert max(map(len, Together.together)) == 1
     for a, b in zip(small, got, strict=True):
         assert_same(a, b)
 

@@ -31,10 +31,11 @@ from storage.cli import main
 pytestmark = pytest.mark.timeout(120)
 
 
-def _write(path: Path, runs: tuple[str, ...] = ("run-a", "run-b")) -> tuple[dict[str, Sim], dict[str, Spans]]:
+def _write(path: Path, runs: tuple[str, ...] = ("run-a", "run-b"),
+           chunk_bytes: int = 256) -> tuple[dict[str, Sim], dict[str, Spans]]:
     """Runs of a small simulation, in many small chunks; long episodes are flushed in
     several segments (a small memory budget)."""
-    daemon = StoreDaemon(path, commit_interval=0.0, chunk_bytes=256, memory_budget=6000)
+    daemon = StoreDaemon(path, commit_interval=0.0, chunk_bytes=chunk_bytes, memory_budget=6000)
     sims, spans = {}, {}
     for i, run in enumerate(runs):
         broker = Broker()
@@ -198,13 +199,7 @@ def test_arrays_read_at_once_hold_no_more_chunks_than_one_array_read_alone(tmp_p
     in smaller batches, at most 64 chunks in all, as one array read alone. Bug caught: 8
     arrays of 64-chunk batches (8x the memory; 4 GiB with 8 MiB chunks)."""
     path = tmp_path / "runs.zarr"
-    daemon = StoreDaemon(path, commit_interval=0.0, chunk_bytes=16)  # a chunk of a row or two
-    broker = Broker()
-    broker.subscribe("", daemon)
-    sim = Sim(broker, 4, run="run-a", seed=3, reset_p=0.05)
-    sim.step(60)
-    sim.close()
-    daemon.close()
+    _write(path, ("run-a",), chunk_bytes=16)  # a chunk of a row or two
     InFlight.peak = InFlight.chunks_peak = 0
     report = verify_store(InFlight(zarr.storage.FsspecStore.from_url(f"file://{path}", read_only=True)))
     assert report.sound
