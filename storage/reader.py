@@ -553,6 +553,7 @@ class RunStore:
                 r = str(names[a])
                 rows = self._locate(r, table["world"][a:b], table["index"][a:b])
                 plans.append((r, rows, self._fields(r, fields)))
+        remote = not _local(self.root.store)
         # every run's arrays opened at once (an object store; damage raises where it is read)
         self._open_all([(r, term, name, None) for r, _, terms in plans for term, names in terms.items()
                         for name in names], quiet=True)
@@ -601,7 +602,6 @@ class RunStore:
                         for k in range(len(piece[1])):
                             yield {n: v[offsets[n][k]:offsets[n][k + 1]] for n, v in data.items()}
 
-        remote = not _local(self.root.store)
         return batches()
 
     def _select(self, run: str | None, episodes: Table | str | None) -> Table:
@@ -787,9 +787,9 @@ class RunStore:
     def _open_all(self, wanted: Sequence[tuple[str, str, str, str | None]], *, quiet: bool = False) -> None:
         """:meth:`_open_arrays` of arrays ``(run, term, name, node)`` of any runs; with
         ``quiet``, an array that cannot be opened is left to raise where it is read."""
-        todo = [w for w in wanted if (w[0], w[1], node_name(w[2]) if w[3] is None else w[3]) not in self._arrays]
         if _local(self.root.store):  # elsewhere opened one by one where they are read
             return
+        todo = [w for w in wanted if (w[0], w[1], node_name(w[2]) if w[3] is None else w[3]) not in self._arrays]
 
         def one(run: str, term: str, name: str, node: str | None) -> None:
             try:

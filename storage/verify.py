@@ -181,7 +181,7 @@ class _Checker:
 
         def one(path: str, n: int, dtype: str | None) -> tuple[Any, dict[int, str] | None, np.ndarray | None]:
             try:
-                arr = self.reader.root.get(f"runs/{self.node}/{path}")
+                arr = self._open(path)
             except Exception as exc:
                 return exc, None, None
             if not isinstance(arr, zarr.Array) or arr.shape[0] < n:
@@ -193,6 +193,10 @@ class _Checker:
         for (path, _, _), got in zip(wanted, _at_once([(one, w) for w in wanted], True), strict=True):
             self.fetched[path] = got
 
+    def _open(self, path: str) -> Any:
+        """The node ``path`` of the run (an array, a group or ``None``)."""
+        return self.reader.root.get(f"runs/{self.node}/{path}")
+
     def problem(self, array: str, what: str, rows: tuple[int, int] | None = None,
                 chunk: int | None = None) -> None:
         self.problems.append(Problem(self.run, array, rows, chunk, what))
@@ -203,7 +207,7 @@ class _Checker:
         import zarr
 
         try:
-            arr = self.fetched[path][0] if path in self.fetched else self.reader.root.get(f"runs/{self.node}/{path}")
+            arr = self.fetched[path][0] if path in self.fetched else self._open(path)
             if isinstance(arr, Exception):
                 raise arr
         except Exception as exc:
@@ -551,6 +555,7 @@ def verify_store(location: StoreLocation, runs: Sequence[str] | None = None, *,
             raise RunNotFoundError(f"runs: {unknown} not in store {location!r}; runs: {reader.runs()}")
     else:
         names = [*reader.runs(), *damaged]
+
     def check(name: str) -> RunReport:
         node = name if runs is None and name in damaged else node_name(name)
         if node in damaged:
