@@ -22,7 +22,7 @@ borrowed from a message is kept.
 from __future__ import annotations
 
 import importlib
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -64,6 +64,21 @@ def _last_at(world: np.ndarray, seq: np.ndarray, at_world: np.ndarray, at_seq: n
     pos = np.searchsorted(keys, wanted, side="right") - 1
     ok = (pos >= 0) & (w[np.maximum(pos, 0)] == at_world)
     return np.where(ok, order[np.maximum(pos, 0)], -1)
+
+
+def _labels(where: str, raw: np.ndarray, labels: Sequence[Any]) -> np.ndarray:
+    """The label of each categorical code (``raw[:, 0]``), as an object array.
+
+    Raises:
+        SampleTableError: A code is not an index of ``labels``.
+    """
+    codes = raw[:, 0].astype(np.int64)
+    if codes.size and (codes.min() < 0 or codes.max() >= len(labels)):
+        raise SampleTableError(f"{where}: expected codes in [0, {len(labels)}), got {codes.min()}..{codes.max()}")
+    vocabulary = np.empty(len(labels), dtype=object)
+    vocabulary[:] = list(labels)
+    out: np.ndarray = vocabulary[codes]
+    return out
 
 
 def _host(t: torch.Tensor) -> np.ndarray:
@@ -228,11 +243,17 @@ class SampleTable:
         return states[key]
 
     def _factor(self, message: VariationSample) -> _Factor:
-        factor = _Factor(tuple(message.value.shape[1:]), message.labels is not None)
-        known = self._factors.setdefault(message.key, factor)
+        factor = self._checked(f"topic {message.topic!r}", message.key,
+                               _Factor(tuple(message.value.shape[1:]), message.labels is not None))
+        self._factors.setdefault(message.key, factor)
+        return factor
+
+    def _checked(self, where: str, key: str, factor: _Factor) -> _Factor:
+        """``factor``, which must be the one the key had before (if any)."""
+        known = self._factors.get(key, factor)
         if known != factor:
             raise SampleTableError(
-                f"topic {message.topic!r}: expected per-world shape {known.shape} "
+                f"{where}: expected per-world shape {known.shape} "
                 f"({'categorical' if known.categorical else 'numeric'}), got {factor.shape} "
                 f"({'categorical' if factor.categorical else 'numeric'})"
             )
@@ -249,17 +270,7 @@ class SampleTable:
         factor = self._factor(message)
         state = self._state(message.run, message.key, factor, worlds)
         raw = _host(message.value).reshape(n, factor.width)
-        labels = None
-        if message.labels is not None:
-            codes = raw[:, 0].astype(np.int64)
-            if n and (codes.min() < 0 or codes.max() >= len(message.labels)):
-                raise SampleTableError(
-                    f"topic {message.topic!r}: expected codes in [0, {len(message.labels)}), "
-                    f"got {codes.min()}..{codes.max()}"
-                )
-            vocabulary = np.empty(len(message.labels), dtype=object)
-            vocabulary[:] = message.labels
-            labels = vocabulary[codes]
+        labels = None if message.labels is None else _labels(f"topic {message.topic!r}", raw, message.labels)
         values = raw.astype(np.float64)
         if message.phase == BUILD:
             state.build[worlds] = values
@@ -344,13 +355,8 @@ class SampleTable:
             n = value.shape[0] if value.ndim else -1
             if not n:  # no sample of the key: no message to join (a store holds no empty one)
                 continue
-            factor = factors[key] = _Factor(tuple(value.shape[1:]), s.get("labels") is not None)
-            known = self._factors.get(key, factor)
-            if known != factor:
-                raise SampleTableError(
-                    f"run {run!r} key {key!r}: expected per-world shape {known.shape} "
-                    f"({'categorical' if known.categorical else 'numeric'}), got {factor.shape} "
-                    f"({'categorical' if factor.categorical else 'numeric'})")
+            factor = factors[key] = self._checked(f"run {run!r} key {key!r}", key,
+                                                  _Factor(tuple(value.shape[1:]), s.get("labels") is not None))
             world_s, episode_s = np.asarray(s["world"], np.int64), np.asarray(s["episode"], np.int64)
             seq_s = np.asarray(s["seq"], np.int64)
             if n < 0 or world_s.shape != (n,) or episode_s.shape != (n,) or seq_s.shape != (n,):
@@ -358,15 +364,7 @@ class SampleTable:
                                        f"dimension of {world_s.shape[0]}, got shapes {value.shape} and "
                                        f"{episode_s.shape}")
             raw = value.reshape(n, factor.width)
-            label: np.ndarray | None = None
-            if factor.categorical:
-                vocabulary = np.empty(len(s["labels"]), dtype=object)
-                vocabulary[:] = list(s["labels"])
-                codes = raw[:, 0].astype(np.int64)
-                if n and (codes.min() < 0 or codes.max() >= len(vocabulary)):
-                    raise SampleTableError(f"run {run!r} key {key!r}: expected codes in [0, {len(vocabulary)}), "
-                                           f"got {codes.min()}..{codes.max()}")
-                label = vocabulary[codes]
+            label = _labels(f"run {run!r} key {key!r}", raw, s["labels"]) if factor.categorical else None
             # the world's last sample (by message number, then row) at or before the end's
             # number: a build-time key's value, else a run-time key's where drawn in that episode
             last = _last_at(world_s, seq_s, world_e, seq_e)
