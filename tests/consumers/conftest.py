@@ -16,11 +16,9 @@ from consumers import _kernels, live_stats
 
 
 @pytest.fixture
-def kernel(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
-    name: str = request.param
-    if name != "numba-parts":
-        yield name
-        return
+def parts_calls(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, ...]]:
+    """The output shape (``[parts, 4, columns]``) of each call of the kernel that reduces a
+    batch in parts, as they come; skips where numba's threads are not used."""
     if _kernels.threads() < 2:
         pytest.skip(f"numba's threading layer here may not be launched from any thread "
                     f"(it is one of {sorted(_kernels.SAFE_LAYERS)} where LiveStatistics uses it)")
@@ -32,6 +30,16 @@ def kernel(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> I
         compiled(fields, shift, starts, out, rows)
 
     monkeypatch.setattr(_kernels, "_parts", counted)
+    return calls
+
+
+@pytest.fixture
+def kernel(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    name: str = request.param
+    if name != "numba-parts":
+        yield name
+        return
+    calls: list[tuple[int, ...]] = request.getfixturevalue("parts_calls")
     monkeypatch.setattr(live_stats, "_PART_BYTES", 16)
     threads = torch.get_num_threads()
     torch.set_num_threads(2)

@@ -121,21 +121,12 @@ def test_with_numba_auto_uses_it() -> None:
     assert steady_ops(4, 4096, "auto") == steady_ops(4, 4096, "numba") != steady_ops(4, 4096, "eager")
 
 
-def test_a_large_batch_is_reduced_in_parts_on_torch_s_threads(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_large_batch_is_reduced_in_parts_on_torch_s_threads(parts_calls: list[tuple[int, ...]]) -> None:
     # The numba kernel reads each field once, but on one thread it is held to one core's
     # bandwidth where torch's memcpy of the same payload uses every intra-op thread: a float
     # batch of at least two _PART_BYTES is cut into parts, one per thread (torch's count, at
     # most numba's), each reduced into a window row of its own; smaller batches stay whole.
-    if _kernels.threads() < 2:
-        pytest.skip("numba's threading layer here may not be launched from any thread")
-    shapes: list[tuple[int, ...]] = []
-    compiled = _kernels.moments_parts()
-
-    def counted(fields: object, shift: object, starts: object, out: np.ndarray, rows: int) -> None:
-        shapes.append(out.shape)
-        compiled(fields, shift, starts, out, rows)
-
-    monkeypatch.setattr(_kernels, "_parts", counted)
+    shapes = parts_calls
     threads = torch.get_num_threads()
     gen = torch.Generator().manual_seed(11)
     published: list[np.ndarray] = []
