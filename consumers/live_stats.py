@@ -235,15 +235,20 @@ class _Group:
 
     def reduce(self, tensors: Sequence[torch.Tensor], n: int) -> None:
         """Reduce a batch into the next rows of the window (which :meth:`fits` it)."""
-        parts = [tensors[i] if tensors[i].dim() == 2 else tensors[i].reshape(n, -1) for i in self.index]
-        first = parts[0]
         if self.native is not None:
+            first = tensors[self.index[0]]
+            if first.dtype == torch.bool:
+                self._count(tensors, n)
+                return
+            parts = [tensors[i] if tensors[i].dim() == 2 else tensors[i].reshape(n, -1) for i in self.index]
             count, rows = self.parts(first, n)
             if len(self.slots) < self.filled + count:
                 self._window(max(_WINDOW_ROWS, count), first.device)
             self._native(parts, self.filled, count, rows)
             self.filled += count
             return
+        parts = [tensors[i] if tensors[i].dim() == 2 else tensors[i].reshape(n, -1) for i in self.index]
+        first = parts[0]
         rows = self.rows(first, n)
         blocks = self.blocks(first, n)
         if not self.slots:
@@ -294,25 +299,14 @@ class _Group:
         return True
 
     def _native(self, parts: list[torch.Tensor], row: int, count: int, rows: int) -> None:
-        """Reduce a batch with the numba kernels into the window's rows ``row`` to ``row +
-        count`` (one, or one per part of ``rows`` rows, see :meth:`parts`), on numpy views of
-        the fields (no copy, unless a field is not contiguous: the kernels read it as contiguous
-        chunks of rows); one call per field, or one call for every field in parts. Bool fields
-        are counted into the row's first row (one column with numpy's count)."""
+        """Reduce a batch of float fields with the numba kernels into the window's rows ``row``
+        to ``row + count`` (one, or one per part of ``rows`` rows, see :meth:`parts`), on numpy
+        views of the fields (no copy, unless a field is not contiguous: the kernels read it as
+        contiguous chunks of rows); one call per field, or one call for every field in parts.
+        Bool fields are counted by :meth:`_count`."""
         if self.host is None:  # numpy views of the window and the shift, made once
             self.host = self.window.numpy(), self.shift.numpy() if self.shift is not None else None
         window, shift = self.host
-        if parts[0].dtype == torch.bool:
-            counts, start = window[row, 0], 0
-            for p in parts:
-                end = start + p.shape[1]
-                if end - start == 1:
-                    counts[start] = np.count_nonzero(p.numpy())
-                else:
-                    typing.cast(_kernels.Counter, self.native)(p.contiguous().numpy().view(np.uint8),
-                                                                counts[start:end])
-                start = end
-            return
         if shift is None:
             self.shift = torch.cat([p[0] for p in parts]).to(self.compute)
             self.exact.copy_(self.shift)
@@ -329,6 +323,26 @@ class _Group:
             native(p.detach().contiguous().numpy(), shift[start:end], out[0, start:end], out[1, start:end],
                    out[2, start:end], out[3, start:end])
             start = end
+
+    def _count(self, tensors: Sequence[torch.Tensor], n: int) -> None:
+        """Count a batch's bool fields into the window's next row (native): a field of one
+        column with numpy's count, a wider one with the numba counter, straight from numpy
+        views of the fields (no copy, unless a field is not contiguous)."""
+        if len(self.slots) < self.filled + 1:
+            self._window(_WINDOW_ROWS, tensors[self.index[0]].device)
+        if self.host is None:  # a numpy view of the window, made once
+            self.host = self.window.numpy(), None
+        counts, start = self.host[0][self.filled, 0], 0
+        for i in self.index:
+            t = tensors[i]
+            end = start + t.numel() // n
+            if end - start == 1:
+                counts[start] = np.count_nonzero(t.numpy())
+            else:
+                typing.cast(_kernels.Counter, self.native)(t.contiguous().numpy().reshape(n, -1).view(np.uint8),
+                                                            counts[start:end])
+            start = end
+        self.filled += 1
 
     def _buffer(self, first: torch.Tensor, rows: int) -> None:
         if self.buffer is not None and self.buffer.shape[0] >= rows:
@@ -618,9 +632,13 @@ class LiveStatistics:
         if plan is None and tensors:
             plan = self._plans[layout] = self._plan([f"{term}/{f}" for f in names], tensors)
         self._batches += 1
-        if plan is not None:
+        if plan is None:
+            return
+        if torch.is_grad_enabled():
             with torch.no_grad():
                 plan.update(tensors, n)
+        else:  # the simulation's own setting (entering no_grad costs as much as a small field)
+            plan.update(tensors, n)
 
     def _plan(self, keys: list[str], tensors: list[torch.Tensor]) -> _Plan:
         for key, t in zip(keys, tensors, strict=True):
