@@ -53,12 +53,12 @@ def _time_staging(ring: StagingRing, tensors: list[torch.Tensor], device: torch.
         if cuda:
             before = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
             after = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
-            before.record()
+            before.record(torch.cuda.current_stream(device))
         start = time.perf_counter()
         _, event = ring.stage(slot, tensors)
         staged = time.perf_counter()
         if cuda:
-            after.record()
+            after.record(torch.cuda.current_stream(device))
         if event is not None:
             event.synchronize()
         done = time.perf_counter()

@@ -90,8 +90,8 @@ leading dimension when every tensor has one and they all agree (a batch's worlds
 class Slot:
     """One staging buffer (pinned when it has held CUDA tensors)."""
 
-    __slots__ = ("array", "buffer", "busy", "device_buffer", "device_padded", "event", "framed", "packed",
-                 "padded", "plans", "recent", "tracker", "views")
+    __slots__ = ("array", "buffer", "busy", "device_buffer", "device_padded", "event", "event_device", "framed",
+                 "packed", "padded", "plans", "recent", "tracker", "views")
 
     def __init__(self) -> None:
         self.buffer: torch.Tensor | None = None
@@ -104,6 +104,7 @@ class Slot:
         self.busy = False
         self.tracker: Tracker | None = None
         self.event: Any = None  # torch.cuda.Event of the last staging copy
+        self.event_device: torch.device | None = None  # the device it records on
         self.framed: Layout | None = None  # the layout whose frames ``views`` holds
         self.views: list[memoryview] = []
         self.packed = False  # whether ``views`` is the one data frame of protocol 2
@@ -323,7 +324,11 @@ class StagingRing:
             slot.recent = plan
         layout = plan.layout_for(1 if rows is None else rows)
         if cuda is not None:
-            return layout, self._stage_cuda(slot, plan, layout, tensors, rows, cuda)
+            try:
+                return layout, self._stage_cuda(slot, plan, layout, tensors, rows, cuda)
+            except BaseException:  # copies it queued may still read or write the slot's buffers
+                torch.cuda.synchronize(cuda)
+                raise
         address = plan.address
         for src, (offset, nbytes), host in zip(tensors, layout, plan.host, strict=True):
             if not nbytes:
@@ -397,8 +402,9 @@ class StagingRing:
                 assert view is not None
                 (view[:rows] if sliced else view).copy_(src)
         self._zero_padding(slot, layout)  # no copy in flight writes it: the sender waited on the event
-        if slot.event is None:
+        if slot.event is None or slot.event_device != device:  # an event records on one device only
             slot.event = torch.cuda.Event(blocking=True)  # type: ignore[no-untyped-call]
+            slot.event_device = device
         if plan.device_views is None:  # no device buffer: device to host on the side stream
             stream.wait_stream(current)
             with torch.cuda.stream(stream):

@@ -16,7 +16,10 @@ and at the latest at :meth:`WorldsCheck.wait`, which ``Recorder.close`` calls); 
 are clamped into range meanwhile so that no device-side assert fires. ``check="trusted"``
 checks nothing (an out-of-range index then fails inside a kernel). A boolean mask always
 costs one device read: the number of worlds it selects sizes everything after it (pass the
-index tensor your environment already made when that matters).
+index tensor your environment already made when that matters). An int, a sequence, a range, a
+slice or a numpy array is made into a tensor on the host, and on a CUDA recorder copied to the
+device from pageable memory: a copy that waits for the work already queued on the current
+stream, so on a per-step path pass an index tensor already on the device.
 """
 
 from __future__ import annotations

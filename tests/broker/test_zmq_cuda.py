@@ -56,26 +56,74 @@ def test_the_simulation_stream_waits_for_the_device_copy_only(
     worlds = torch.arange(1024, device=device)
     episodes = torch.zeros(1024, dtype=torch.int64, device=device)
     state = torch.full((1024, 64), 1.0, device=device)
-    pub(Batch("run", 0, 0, "batch/obs", worlds, episodes, {"state": state}))  # plans, buffers, streams
-    first = sub.recv(timeout=10)
-    assert isinstance(first, Batch)
-    assert bool((first.fields["state"] == 1.0).all())
+    for seq in range(2):  # each slot's plans, buffers and event, and the streams, made beforehand
+        # (allocating pinned memory may synchronize the device while the side stream sleeps)
+        pub(Batch("run", seq, seq, "batch/obs", worlds, episodes, {"state": state}))
+        first = sub.recv(timeout=10)
+        assert isinstance(first, Batch)
+        assert bool((first.fields["state"] == 1.0).all())
     side = pub._ring._stream(device)
     with torch.cuda.stream(side):
         torch.cuda._sleep(4_000_000_000)  # type: ignore[no-untyped-call]  # seconds of GPU cycles on the side stream
     state.fill_(2.0)
-    pub(Batch("run", 1, 1, "batch/obs", worlds, episodes, {"state": state}))
+    pub(Batch("run", 2, 2, "batch/obs", worlds, episodes, {"state": state}))  # into slot 0 again
     state.fill_(-1.0)  # the producer's next write, right after publishing
     done = torch.cuda.Event()  # type: ignore[no-untyped-call]
     done.record(torch.cuda.current_stream(device))
     done.synchronize()  # the current stream's work, the device copy included
-    slot = pub._ring.slots[1]
+    slot = pub._ring.slots[0]
     assert slot.event is not None
     assert not slot.event.query(), "the current stream waited for the device-to-host copy"
     second = sub.recv(timeout=30)
     assert isinstance(second, Batch)
-    assert second.seq == 1
+    assert second.seq == 2
     assert bool((second.fields["state"] == 2.0).all())
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_one_slot_stages_the_messages_of_two_devices_in_turn(
+        make_pub: Callable[..., ZmqPublisher], make_sub: Callable[..., Subscriber]) -> None:
+    """Bug: a slot's event, made for its first CUDA message, records on that device only (a
+    CUDA event belongs to one device): the slot's next message from another device raised."""
+    pub = make_pub("tcp://127.0.0.1:*", slots=1)
+    sub = make_sub(pub.endpoints[0])
+    pub.wait_for_subscribers(1, timeout=10)
+    for seq, index in enumerate([0, 1, 0]):
+        device = torch.device("cuda", index)
+        pub(Batch("run", seq, seq, "batch/obs", torch.arange(16, device=device),
+                  torch.zeros(16, dtype=torch.int64, device=device),
+                  {"x": torch.full((16, 3), float(seq), device=device)}))
+        got = sub.recv(timeout=10)
+        assert isinstance(got, Batch)
+        assert got.seq == seq
+        assert bool((got.fields["x"] == float(seq)).all())
+
+
+def test_a_staging_that_fails_midway_waits_for_the_copies_it_queued(
+        make_pub: Callable[..., ZmqPublisher], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A staging that raises after queueing copies on the device waits for them before the
+    slot goes back to the ring (the next message would be staged over a copy in flight)."""
+    pub = make_pub("tcp://127.0.0.1:*", slots=1)
+    device = _device()
+    copy, synchronize = torch._foreach_copy_, torch.cuda.synchronize
+    waited: list[object] = []
+
+    def fails_after_queueing(*args: object, **kwargs: object) -> None:
+        copy(*args, **kwargs)  # type: ignore[arg-type]
+        raise RuntimeError("staging failed")
+
+    def noted(device: object = None) -> None:
+        waited.append(device)
+        synchronize(device)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(torch, "_foreach_copy_", fails_after_queueing)
+    monkeypatch.setattr(torch.cuda, "synchronize", noted)
+    with pytest.raises(RuntimeError, match="staging failed"):
+        pub(Batch("run", 0, 0, "batch/obs", torch.arange(8, device=device),
+                  torch.zeros(8, dtype=torch.int64, device=device), {"x": torch.ones(8, 3, device=device)}))
+    assert waited == [device]
+    assert not pub._ring.slots[0].busy
+    assert pub.statistics().failed == 1
 
 
 def test_staging_events_are_blocking(make_pub: Callable[..., ZmqPublisher], make_sub: Callable[..., Subscriber],

@@ -38,6 +38,7 @@ from broker import (
     decode,
     encode,
 )
+from broker.staging import Slot
 from broker.wire import SUBSCRIBER_ACK, SUBSCRIBER_HELLO
 from broker.zmq_publisher import hello_subscription
 
@@ -124,6 +125,42 @@ def _close_while_reading(pub: ZmqPublisher, sub: Subscriber, **close: Any) -> tu
 
 
 # -- item 1: a slot ZeroMQ still reads is never refilled ------------------------------------------
+
+def test_a_slot_whose_framing_failed_goes_back_only_once_its_staging_copies_are_done(
+        make_pub: MakePub, numbered: Numbered, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Bug: when a publish failed after its staging copies were queued (the slot's frames, the
+    header), the slot went back to the ring at once, while a CUDA device-to-host copy could
+    still be writing it: the next message staged there would be torn. Now the publisher waits
+    on the copies' event first. Here the staging hands back a stand-in event that notes when
+    it is waited on."""
+    pub = make_pub("tcp://127.0.0.1:*", slots=2)
+    order: list[str] = []
+
+    class InFlight:
+        def synchronize(self) -> None:
+            order.append("copies done")
+
+    stage, release = pub._ring.stage, pub._ring.release
+
+    def staged(slot: Slot, tensors: list[torch.Tensor]) -> tuple[Any, Any]:
+        return stage(slot, tensors)[0], InFlight()
+
+    def released(slot: Slot, tracker: Any) -> None:
+        order.append("slot released")
+        release(slot, tracker)
+
+    def frames(self: Slot, layout: Any) -> Any:
+        raise RuntimeError("framing failed")
+
+    monkeypatch.setattr(pub._ring, "stage", staged)
+    monkeypatch.setattr(pub._ring, "release", released)
+    monkeypatch.setattr(Slot, "frames", frames)
+    with pytest.raises(RuntimeError, match="framing failed"):
+        pub(numbered(1))
+    assert order == ["copies done", "slot released"]
+    assert not any(slot.busy for slot in pub._ring.slots)
+    assert pub.statistics().failed == 1
+
 
 def test_drop_policy_with_a_lagging_subscriber_delivers_whole_messages_and_gaps(
         make_pub: MakePub, make_sub: MakeSub, free_endpoint: Callable[[], str], numbered: Numbered,

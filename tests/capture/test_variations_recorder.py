@@ -389,11 +389,12 @@ def test_cuda_mid_episode_runtime_draw_is_reported_without_a_sync() -> None:
     VariationRecorder(recorder).attach(friction)
     recorder.record_post_step()
     recorder.record_pre_reset(torch.tensor([2], device="cuda"))
+    fresh, stepped = torch.tensor([2], device="cuda"), torch.tensor([0, 2], device="cuda")  # copies that sync
     sync_mode = torch.cuda.get_sync_debug_mode()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        friction.sample(1, torch.tensor([2], device="cuda"))  # fresh episode: sound
-        friction.sample(2, torch.tensor([0, 2], device="cuda"))  # world 0 has stepped
+        friction.sample(1, fresh)  # fresh episode: sound
+        friction.sample(2, stepped)  # world 0 has stepped
     finally:
         torch.cuda.set_sync_debug_mode(sync_mode)
     with pytest.raises(VariationError, match=r"variation 'friction': a runtime draw at step 1 was for 1 "
