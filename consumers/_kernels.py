@@ -18,12 +18,19 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["CHUNK_ROWS", "available", "counts", "moments", "moments_parts", "threads"]
+__all__ = ["ARITY", "CHUNK_ROWS", "available", "counts", "moments", "moments_parts", "threads"]
 
 CHUNK_ROWS = 16
 """Rows read as one wide row, and values each accumulator sums in the compute dtype before its
 sum is added to a float64 total: a float32 chunk sum has at most 16 roundings, a relative error
 below ``16 * 2**-24``."""
+
+ARITY = 8
+"""Arrays in each call of :func:`moments_parts`: a group of more fields takes several calls, and
+a call of fewer repeats one of them (not read). A tuple's length is part of the type numba
+compiles for, so a fixed one makes one compiled variant per dtype serve every field layout
+(seconds of compilation each, and numba refuses tuples of more than 100 arrays in a parallel
+loop)."""
 
 Kernel = Callable[[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray], None]
 Counter = Callable[[np.ndarray, np.ndarray], None]
@@ -239,9 +246,10 @@ def threads() -> int:
 
 
 def moments_parts() -> Callable[..., None]:
-    """The compiled :func:`consumers._parallel.moments_parts`: the moments of a group of
-    fields (a tuple of arrays) in parts of rows, a part per thread, each into its own row of
-    an output ``[parts, 4, columns]``. Use it only where :func:`threads` is above 1.
+    """The compiled :func:`consumers._parallel.moments_parts`: the moments of up to
+    :data:`ARITY` fields of a group (a tuple of exactly that many arrays, and how many of them
+    to read) in parts of rows, a part per thread, each into its own row of an output
+    ``[parts, 4, columns]``. Use it only where :func:`threads` is above 1.
 
     Raises:
         ImportError: numba is not installed.

@@ -17,16 +17,18 @@ _moments = _kernels.moments()
 
 
 @numba.njit(parallel=True, nogil=True, cache=True, boundscheck=False)
-def moments_parts(fields: Any, shift: Any, starts: Any, out: Any, rows: int) -> None:  # pragma: no cover (compiled)
-    """Reduce ``fields`` (a tuple of ``[n, columns_i]`` C-contiguous arrays of one dtype, the
-    columns ``starts[i]:starts[i + 1]`` of the group) in parts of ``rows`` rows: part ``t``
-    (rows ``t * rows`` to ``(t + 1) * rows``, the last one shorter) writes the shifted sums,
-    sums of squares, minima and maxima of its rows to ``out[t]`` (``[parts, 4, columns]``),
+def moments_parts(fields: Any, count: int, shift: Any, starts: Any, out: Any,
+                  rows: int) -> None:  # pragma: no cover (compiled)
+    """Reduce the first ``count`` arrays of ``fields`` (a tuple of :data:`consumers._kernels.ARITY`
+    ``[n, columns_i]`` C-contiguous arrays of one dtype; the others repeat one of them and are
+    not read), the columns ``starts[i]:starts[i + 1]`` of the group, in parts of ``rows`` rows:
+    part ``t`` (rows ``t * rows`` to ``(t + 1) * rows``, the last one shorter) writes the shifted
+    sums, sums of squares, minima and maxima of its rows to ``out[t]`` (``[parts, 4, columns]``),
     as :func:`consumers._kernels.moments` does for a whole field. Every part has a row."""
     n = fields[0].shape[0]
     for t in numba.prange(out.shape[0]):
         r0 = t * rows
         r1 = min(n, r0 + rows)
-        for i in range(len(fields)):
+        for i in range(count):
             a, b = starts[i], starts[i + 1]
             _moments(fields[i][r0:r1], shift[a:b], out[t, 0, a:b], out[t, 1, a:b], out[t, 2, a:b], out[t, 3, a:b])

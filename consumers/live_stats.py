@@ -313,8 +313,13 @@ class _Group:
             self.starts = np.cumsum([0] + [p.shape[1] for p in parts], dtype=np.int64)
             self.host = window, shift = window, self.shift.numpy()
         if count > 1:
-            _kernels.moments_parts()(tuple(p.detach().contiguous().numpy() for p in parts), shift, self.starts,
-                                     window[row:row + count], rows)
+            assert self.starts is not None
+            arrays = [p.detach().contiguous().numpy() for p in parts]
+            kernel, arity, out = _kernels.moments_parts(), _kernels.ARITY, window[row:row + count]
+            for a in range(0, len(arrays), arity):  # calls of ARITY arrays: one compiled variant
+                chunk = arrays[a:a + arity]
+                kernel(tuple(chunk + chunk[:1] * (arity - len(chunk))), len(chunk), shift,
+                       self.starts[a:a + len(chunk) + 1], out, rows)
             return
         native = typing.cast(_kernels.Kernel, self.native)
         out, start = window[row], 0

@@ -25,9 +25,11 @@ def parts_calls(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, ...]]:
     calls: list[tuple[int, ...]] = []
     compiled = _kernels.moments_parts()
 
-    def counted(fields: Any, shift: Any, starts: Any, out: Any, rows: int) -> None:
+    def counted(fields: Any, count: int, shift: Any, starts: Any, out: Any, rows: int) -> None:
+        assert len(fields) == _kernels.ARITY
+        assert 0 < count <= len(fields)
         calls.append(out.shape)
-        compiled(fields, shift, starts, out, rows)
+        compiled(fields, count, shift, starts, out, rows)
 
     monkeypatch.setattr(_kernels, "_parts", counted)
     return calls

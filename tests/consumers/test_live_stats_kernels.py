@@ -15,7 +15,7 @@ import torch
 from test_live_stats_accuracy import FLOAT32_BOUNDS, FLOAT64_BOUNDS, assert_matches, batch
 from test_live_stats_ops import steady_ops
 
-from consumers import LiveStatistics, _kernels
+from consumers import LiveStatistics, _kernels, live_stats
 
 KERNELS = pytest.mark.parametrize("kernel", ["eager", "numba", "numba-parts", "compile"], indirect=True)
 
@@ -152,6 +152,37 @@ def test_a_large_batch_is_reduced_in_parts_on_torch_s_threads(parts_calls: list[
                    every[:, finite], FLOAT32_BOUNDS)
 
 
+def test_batches_of_any_number_of_fields_are_reduced_in_parts_by_one_compiled_variant(
+        parts_calls: list[tuple[int, ...]], monkeypatch: pytest.MonkeyPatch) -> None:
+    # Bug: the parts kernel took a tuple of all the group's fields, and a tuple's length is
+    # part of the type numba compiles for: each new number of fields compiled the kernel again
+    # (seconds each; 20 s for 100 fields), and a batch of more than 100 float fields of one
+    # dtype raised (numba refuses a tuple of more than 100 arrays in a parallel loop). Each call
+    # now takes ARITY arrays, and a group of more fields takes several calls.
+    from consumers import _parallel
+
+    monkeypatch.setattr(live_stats, "_PART_BYTES", 16)  # every batch below goes in parts
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    gen = torch.Generator().manual_seed(12)
+    try:
+        for count in (3, _kernels.ARITY, _kernels.ARITY + 1, 130):
+            stats = LiveStatistics(kernel="numba")
+            steps = [{f"f{i}": torch.randn(40 + step, 1 + i % 3, generator=gen) * (1 + i) + i for i in range(count)}
+                     for step in range(2)]
+            for step, fields in enumerate(steps):
+                stats(batch(fields, step))
+            summary = stats.summary()
+            assert len(summary.fields) == count
+            for key in steps[0]:
+                rows = np.concatenate([fields[key].double().numpy() for fields in steps])
+                assert_matches(summary.fields[f"t/{key}"], rows, FLOAT32_BOUNDS, f"{count} fields: {key}")
+    finally:
+        torch.set_num_threads(threads)
+    assert len(parts_calls) == 2 * (1 + 1 + 2 + 17)  # two batches of each, ARITY fields a call
+    assert all(signature[0].count == _kernels.ARITY for signature in _parallel.moments_parts.signatures)
+
+
 def test_the_threads_are_used_only_where_any_thread_may_launch_them(monkeypatch: pytest.MonkeyPatch) -> None:
     import numba
 
@@ -210,7 +241,7 @@ def test_starting_the_threads_leaves_torch_s_thread_count_alone() -> None:
     script = """
 import torch
 torch.set_num_threads(1)
-from consumers import LiveStatistics, _kernels
+from consumers import LiveStatistics, _kernels, live_stats
 from broker import Batch
 stats = LiveStatistics(kernel="numba")
 x = torch.randn(4096, 165)
