@@ -132,6 +132,10 @@ def as_numpy(t: Any, what: str) -> np.ndarray:
                                        f"read: {exc}") from exc
 
 
+_SPECS: dict[tuple[Any, ...], FieldSpec] = {}
+_SPECS_MAX = 4096  # specs of recently seen fields (a message's fields repeat from step to step)
+
+
 def _spec_of(t: Any, values: np.ndarray, what: str, limit: int) -> FieldSpec:
     """The per-world spec of ``values``, whose one world's row (every dimension counted as at
     least 1, so no zero-size dimension hides a huge one) must fit in ``limit`` bytes.
@@ -139,6 +143,19 @@ def _spec_of(t: Any, values: np.ndarray, what: str, limit: int) -> FieldSpec:
     Raises:
         RejectedMessage: (``"shape"``) one world's row is larger than ``limit``.
     """
+    # What the spec depends on (``t``'s own dtype: a torch bfloat16 tensor reads as 16-bit ints)
+    key = (type(t), getattr(t, "dtype", None), values.dtype, values.shape[1:], limit)
+    spec = _SPECS.get(key)
+    if spec is None:
+        spec = _new_spec(t, values, what, limit)
+        if len(_SPECS) >= _SPECS_MAX:
+            _SPECS.clear()
+        _SPECS[key] = spec
+    return spec
+
+
+def _new_spec(t: Any, values: np.ndarray, what: str, limit: int) -> FieldSpec:
+    """:func:`_spec_of`, computed."""
     dtype = "bfloat16" if dtype_name(t) == "bfloat16" else str(values.dtype)
     shape = tuple(int(d) for d in values.shape[1:])
     span = math.prod(max(d, 1) for d in shape) * values.dtype.itemsize

@@ -753,3 +753,22 @@ def test_joining_late_over_zeromq_records_the_join_as_a_gap() -> None:
     assert stored
     for key in stored:
         assert_episode_equal(reader.episode("late", *key), sim.arrays(key))
+
+
+def test_field_specs_depend_on_the_field_s_own_dtype_and_the_row_limit_not_only_its_bytes() -> None:
+    """A field's spec is remembered across messages (it is worked out once per dtype, row shape
+    and memory share): a bfloat16 field read as its 16 bits, its uint16 twin, a torch tensor and
+    a share too small for a row each get their own answer, whatever was asked before."""
+    from broker import BFloat16Bits
+    from storage.assembly import RejectedMessage, _spec_of
+
+    bits = np.zeros((4, 3), np.uint16)
+    assert _spec_of(bits, bits, "u", 1 << 20).dtype == "uint16"
+    assert _spec_of(bits.view(BFloat16Bits), bits, "h", 1 << 20).dtype == "bfloat16"
+    assert _spec_of(bits, bits, "u", 1 << 20).dtype == "uint16"
+    half = torch.zeros(4, 3, dtype=torch.bfloat16)
+    assert _spec_of(half, half.view(torch.int16).numpy(), "t", 1 << 20).dtype == "bfloat16"
+    assert _spec_of(torch.zeros(4, 3, dtype=torch.int16), bits.view(np.int16), "i", 1 << 20).dtype == "int16"
+    with pytest.raises(RejectedMessage, match=r"one world's row of shape \[3\] spans 6 bytes"):
+        _spec_of(bits, bits, "u", 5)
+    assert _spec_of(bits, bits, "u", 6).shape == (3,)
