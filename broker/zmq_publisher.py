@@ -444,10 +444,12 @@ class ZmqPublisher:
                     header = self._headers.header(message, own, fields, publisher=self.id, number=number,
                                                   version=1)
             except BaseException:
-                if event is not None:  # the slot's staging copies may still be in flight
-                    event.synchronize()
-                self._ring.release(slot, None)
-                self._failed_here += 1
+                try:
+                    if event is not None:  # the slot's staging copies may still be in flight
+                        event.synchronize()
+                finally:
+                    self._ring.release(slot, None)
+                    self._failed_here += 1
                 raise
         from .staging import Staged
 

@@ -240,14 +240,14 @@ class _Group:
             if first.dtype == torch.bool:
                 self._count(tensors, n)
                 return
-            parts = [tensors[i] if tensors[i].dim() == 2 else tensors[i].reshape(n, -1) for i in self.index]
+            parts = self._matrices(tensors, n)
             count, rows = self.parts(first, n)
             if len(self.slots) < self.filled + count:
                 self._window(max(_WINDOW_ROWS, count), first.device)
             self._native(parts, self.filled, count, rows)
             self.filled += count
             return
-        parts = [tensors[i] if tensors[i].dim() == 2 else tensors[i].reshape(n, -1) for i in self.index]
+        parts = self._matrices(tensors, n)
         first = parts[0]
         rows = self.rows(first, n)
         blocks = self.blocks(first, n)
@@ -272,6 +272,10 @@ class _Group:
             for j, block in enumerate(zip(*(torch.split(t, rows) for t in parts), strict=True)):
                 self._block(block, self.slots[row + j])
         self.filled += blocks
+
+    def _matrices(self, tensors: Sequence[torch.Tensor], n: int) -> list[torch.Tensor]:
+        """The group's fields as ``[n, columns]``."""
+        return [tensors[i] if tensors[i].dim() == 2 else tensors[i].reshape(n, -1) for i in self.index]
 
     def _fuse(self, parts: list[torch.Tensor], n: int, out: torch.Tensor) -> bool:
         """Reduce a batch's whole chunks of rows with the compiled function into ``out``; False
