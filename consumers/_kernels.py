@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["ARITY", "CHUNK_ROWS", "available", "counts", "moments", "moments_parts", "threads"]
+__all__ = ["ARITY", "CHUNK_ROWS", "available", "counts", "moments", "moments_group", "moments_parts", "threads"]
 
 CHUNK_ROWS = 16
 """Rows read as one wide row, and values each accumulator sums in the compute dtype before its
@@ -26,11 +26,11 @@ sum is added to a float64 total: a float32 chunk sum has at most 16 roundings, a
 below ``16 * 2**-24``."""
 
 ARITY = 8
-"""Arrays in each call of :func:`moments_parts`: a group of more fields takes several calls, and
-a call of fewer repeats one of them (not read). A tuple's length is part of the type numba
-compiles for, so a fixed one makes one compiled variant per dtype serve every field layout
-(seconds of compilation each, and numba refuses tuples of more than 100 arrays in a parallel
-loop)."""
+"""Arrays in each call of :func:`moments_group` and :func:`moments_parts`: a group of more
+fields takes several calls, and a call of fewer repeats one of them (not read). A tuple's
+length is part of the type numba compiles for, so a fixed one makes one compiled variant per
+dtype serve every field layout (seconds of compilation each, and numba refuses tuples of more
+than 100 arrays in a parallel loop)."""
 
 Kernel = Callable[[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray], None]
 Counter = Callable[[np.ndarray, np.ndarray], None]
@@ -38,6 +38,7 @@ Counter = Callable[[np.ndarray, np.ndarray], None]
 _compiled: Kernel | None = None
 _counter: Counter | None = None
 _importable: bool | None = None
+_group: Callable[..., None] | None = None
 _parts: Callable[..., None] | None = None
 _threads: int | None = None
 _forked = False
@@ -243,6 +244,22 @@ def threads() -> int:
         torch.set_num_threads(kept)      # count for the process: torch's would change with it
         _threads = count if numba.threading_layer() in SAFE_LAYERS else 1  # type: ignore[attr-defined]
     return _threads
+
+
+def moments_group() -> Callable[..., None]:
+    """The compiled :func:`consumers._parallel.moments_group`: the moments of up to
+    :data:`ARITY` fields of a group (a tuple of exactly that many arrays, and how many of them
+    to read) over all their rows, on the calling thread, into an output ``[4, columns]``.
+
+    Raises:
+        ImportError: numba is not installed.
+    """
+    global _group
+    if _group is None:
+        from . import _parallel
+
+        _group = _parallel.moments_group
+    return _group
 
 
 def moments_parts() -> Callable[..., None]:

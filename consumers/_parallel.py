@@ -1,8 +1,11 @@
-"""The moments kernel of :mod:`consumers._kernels` over several threads: a batch's rows are cut
-into parts, and numba's threading layer reduces each part on a thread of its own into a window
-row of its own (the window's rows add up; see :class:`consumers.live_stats._Group`).
+"""The moments kernel of :mod:`consumers._kernels` over a group of fields, up to
+:data:`consumers._kernels.ARITY` fields a call: on the calling thread (:func:`moments_group`), or
+with a batch's rows cut into parts that numba's threading layer reduces each on a thread of its
+own into a window row of its own (:func:`moments_parts`; the window's rows add up, see
+:class:`consumers.live_stats._Group`).
 
-Imported by :func:`consumers._kernels.moments_parts` only, once numba is known to import.
+Imported by :func:`consumers._kernels.moments_group` and :func:`consumers._kernels.moments_parts`
+only, once numba is known to import.
 """
 
 from __future__ import annotations
@@ -14,6 +17,17 @@ import numba
 from . import _kernels
 
 _moments = _kernels.moments()
+
+
+@numba.njit(nogil=True, cache=True, boundscheck=False)
+def moments_group(fields: Any, count: int, shift: Any, starts: Any, out: Any) -> None:  # pragma: no cover (compiled)
+    """Reduce the first ``count`` arrays of ``fields`` (as :func:`moments_parts` takes them) whole,
+    on the calling thread, into ``out`` (``[4, columns]``): one call for up to
+    :data:`consumers._kernels.ARITY` fields, where a call per field costs the dispatch and the
+    slicing of its outputs in Python each time."""
+    for i in range(count):
+        a, b = starts[i], starts[i + 1]
+        _moments(fields[i], shift[a:b], out[0, a:b], out[1, a:b], out[2, a:b], out[3, a:b])
 
 
 @numba.njit(parallel=True, nogil=True, cache=True, boundscheck=False)

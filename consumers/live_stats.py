@@ -171,7 +171,8 @@ class _Group:
     compiled variant serves every size); ``split`` is then 1.
 
     With ``native`` (a numba kernel, for bool, float32 or float64 fields on the CPU), the whole
-    batch is reduced field by field into one row, straight from the fields; ``split`` is then 1.
+    batch is reduced into one row, straight from the fields, up to ``consumers._kernels.ARITY``
+    fields a kernel call; ``split`` is then 1.
     A float batch of at least two ``_PART_BYTES`` is cut into parts of rows reduced on as many
     threads (at most ``torch.get_num_threads()`` and :func:`consumers._kernels.threads`), each
     into a row of its own.
@@ -306,8 +307,8 @@ class _Group:
         """Reduce a batch of float fields with the numba kernels into the window's rows ``row``
         to ``row + count`` (one, or one per part of ``rows`` rows, see :meth:`parts`), on numpy
         views of the fields (no copy, unless a field is not contiguous: the kernels read it as
-        contiguous chunks of rows); one call per field, or one call for every field in parts.
-        Bool fields are counted by :meth:`_count`."""
+        contiguous chunks of rows); one call per :data:`consumers._kernels.ARITY` fields, on
+        this thread or, in parts, on several. Bool fields are counted by :meth:`_count`."""
         if self.host is None:  # numpy views of the window and the shift, made once
             self.host = self.window.numpy(), self.shift.numpy() if self.shift is not None else None
         window, shift = self.host
@@ -316,22 +317,18 @@ class _Group:
             self.exact.copy_(self.shift)
             self.starts = np.cumsum([0] + [p.shape[1] for p in parts], dtype=np.int64)
             self.host = window, shift = window, self.shift.numpy()
-        if count > 1:
-            assert self.starts is not None
-            arrays = [p.detach().contiguous().numpy() for p in parts]
-            kernel, arity, out = _kernels.moments_parts(), _kernels.ARITY, window[row:row + count]
-            for a in range(0, len(arrays), arity):  # calls of ARITY arrays: one compiled variant
-                chunk = arrays[a:a + arity]
-                kernel(tuple(chunk + chunk[:1] * (arity - len(chunk))), len(chunk), shift,
-                       self.starts[a:a + len(chunk) + 1], out, rows)
-            return
-        native = typing.cast(_kernels.Kernel, self.native)
-        out, start = window[row], 0
-        for p in parts:
-            end = start + p.shape[1]
-            native(p.detach().contiguous().numpy(), shift[start:end], out[0, start:end], out[1, start:end],
-                   out[2, start:end], out[3, start:end])
-            start = end
+        assert self.starts is not None
+        arrays = [p.detach().contiguous().numpy() for p in parts]
+        extra: tuple[int, ...] = ()
+        if count > 1:  # in parts, on several threads
+            kernel, out, extra = _kernels.moments_parts(), window[row:row + count], (rows,)
+        else:
+            kernel, out = _kernels.moments_group(), window[row]
+        arity = _kernels.ARITY
+        for a in range(0, len(arrays), arity):  # calls of ARITY arrays: one compiled variant
+            chunk = arrays[a:a + arity]
+            kernel(tuple(chunk + chunk[:1] * (arity - len(chunk))), len(chunk), shift,
+                   self.starts[a:a + len(chunk) + 1], out, *extra)
 
     def _count(self, tensors: Sequence[torch.Tensor], n: int) -> None:
         """Count a batch's bool fields into the window's next row (native): a field of one

@@ -152,6 +152,30 @@ def test_a_large_batch_is_reduced_in_parts_on_torch_s_threads(parts_calls: list[
                    every[:, finite], FLOAT32_BOUNDS)
 
 
+def test_batches_of_any_number_of_fields_are_reduced_whole_by_one_compiled_variant() -> None:
+    # A batch under the parts threshold is reduced on the calling thread, ARITY fields a call
+    # (a call per field cost the dispatch and the slicing of its outputs in Python each time).
+    from consumers import _parallel
+
+    gen = torch.Generator().manual_seed(13)
+    for count in (1, _kernels.ARITY, _kernels.ARITY + 1, 130):
+        stats = LiveStatistics(kernel="numba")
+        steps = [{f"f{i}": torch.randn(30 + step, 1 + i % 3, generator=gen) * (1 + i) - i for i in range(count)}
+                 for step in range(2)]
+        steps[1]["f0"][3, 0] = float("nan")
+        for step, fields in enumerate(steps):
+            stats(batch(fields, step))
+        summary = stats.summary()
+        assert len(summary.fields) == count
+        assert np.isnan(summary.fields["t/f0"].min[0])
+        assert np.isnan(summary.fields["t/f0"].max[0])
+        for key in list(steps[0])[1:]:
+            rows = np.concatenate([fields[key].double().numpy() for fields in steps])
+            assert_matches(summary.fields[f"t/{key}"], rows, FLOAT32_BOUNDS, f"{count} fields: {key}")
+    assert _parallel.moments_group.signatures
+    assert all(signature[0].count == _kernels.ARITY for signature in _parallel.moments_group.signatures)
+
+
 def test_batches_of_any_number_of_fields_are_reduced_in_parts_by_one_compiled_variant(
         parts_calls: list[tuple[int, ...]], monkeypatch: pytest.MonkeyPatch) -> None:
     # Bug: the parts kernel took a tuple of all the group's fields, and a tuple's length is
