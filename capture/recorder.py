@@ -430,7 +430,9 @@ class Recorder:
         outcomes (e.g. ``{"return": returns}``): a number for every selected world, or a 1-D
         numeric (bool, integer or float) tensor, numpy array or sequence of length
         ``len(worlds)`` or ``num_worlds``, read like the flags. They are published in
-        ``EpisodeEnd.outcomes`` as new float64 tensors on the recorder's device.
+        ``EpisodeEnd.outcomes`` as new float64 tensors on the recorder's device. On a CUDA
+        recorder, pass flags and outcomes as tensors on its device: host values are copied
+        there from pageable memory, a copy that waits for the work queued on the current stream.
 
         Returns:
             The normalized world index tensor (empty selections end nothing).
