@@ -475,8 +475,14 @@ class RunWriter:
                 node = node_name(key)
                 vgroup = self.group.require_group(f"variations/{node}")
                 dims = ("sample", *(f"value_dim{i}" for i in range(len(spec.shape))))
-                vgroup.create_array("value", shape=(0, *spec.shape), dtype=numpy_dtype(spec.dtype),
-                                    chunks=(TABLE_CHUNK, *spec.shape), dimension_names=dims,
+                dtype = numpy_dtype(spec.dtype)
+                # rows of a chunk as the data arrays size theirs: a value of many numbers per
+                # world would otherwise make a chunk of TABLE_CHUNK rows over 2 GiB, which the
+                # codecs refuse (the run would fail at its next commit)
+                value_bytes = max(1, dtype.itemsize * int(np.prod(spec.shape, dtype=np.int64)))
+                rows = max(1, min(TABLE_CHUNK, self._owner.chunk_bytes // value_bytes))
+                vgroup.create_array("value", shape=(0, *spec.shape), dtype=dtype,
+                                    chunks=(rows, *spec.shape), dimension_names=dims,
                                     compressors=self._owner.codecs, overwrite=self._debris,
                                     config=APPEND_CONFIG)
                 for col in VAR_COLUMNS:

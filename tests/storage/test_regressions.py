@@ -772,3 +772,29 @@ def test_field_specs_depend_on_the_field_s_own_dtype_and_the_row_limit_not_only_
     with pytest.raises(RejectedMessage, match=r"one world's row of shape \[3\] spans 6 bytes"):
         _spec_of(bits, bits, "u", 5)
     assert _spec_of(bits, bits, "u", 6).shape == (3,)
+
+
+def test_a_wide_variation_value_is_chunked_by_the_store_s_chunk_bytes() -> None:
+    """Bug: a variation's value table was chunked by 16384 samples whatever one value holds:
+    a value of 32,768 float32 numbers a world made a chunk over 2 GiB, which the codecs refuse,
+    and the run failed at its next commit. Its chunks are now sized like the data arrays'."""
+    sim, msgs = record(steps=30)
+    samples = [i for i, m in enumerate(msgs) if isinstance(m, VariationSample) and m.key == "friction"]
+    for i in samples:  # 100 numbers a world: 800 bytes
+        msgs[i] = dataclasses.replace(msgs[i], value=msgs[i].value[:, None].repeat(1, 100))
+    row_bytes = 100 * msgs[samples[0]].value.element_size()
+    chunk_bytes = 4096
+    daemon = StoreDaemon(zarr.storage.MemoryStore(), commit_interval=0, chunk_bytes=chunk_bytes)
+    feed(daemon, msgs)
+    daemon.close()
+    assert failed_runs(daemon) == 0
+    assert sum(daemon.statistics().rejected.values()) == 0
+    reader = RunStore(daemon.writers[0].store)
+    assert reader.info("run-a")["status"] == "complete"
+    node = reader.info("run-a")["variation_samples"]["friction"]["node"]
+    array = zarr.open_group(daemon.writers[0].store, mode="r")[f"runs/run-a/variations/{node}/value"]
+    assert isinstance(array, zarr.Array)
+    assert array.chunks[0] == chunk_bytes // row_bytes  # 5 samples, not 16384
+    values = reader.variation_samples("run-a", "friction")["value"]
+    assert values.tobytes() == torch.cat([msgs[i].value for i in samples]).numpy().tobytes()
+    check_run(reader, "run-a", sim)
