@@ -484,18 +484,22 @@ def _removed_range(ep: dict[str, _Column], bad: np.ndarray, verified: int, num_w
     world, end_seq = ep["world"].values, ep["end_seq"].values
     readable = np.logical_not(np.any(np.asarray([c.bad for c in ep.values()]), axis=0))
     boundary: dict[int, int] = {}
+    lowest: int | None = None  # the lowest boundary of any world, while no boundary moved
     starts, ends = [], []
     for i in range(len(world)):
         w = int(world[i]) if readable[i] else None
         if i >= verified:
-            if w is None:
-                starts.append(min([boundary.get(x, 0) for x in range(num_worlds)], default=0))
+            if w is None:  # unreadable rows come a chunk at a time: worked out once per run of them
+                if lowest is None:
+                    lowest = min([boundary.get(x, 0) for x in range(num_worlds)], default=0)
+                starts.append(lowest)
                 ends.append(seq_high + 1)
             else:
                 starts.append(boundary.get(w, 0))
                 ends.append(int(end_seq[i]) + 1)
         if w is not None:
             boundary[w] = int(end_seq[i])
+            lowest = None
     return min(starts), max(max(ends), min(starts))
 
 
