@@ -42,7 +42,6 @@ import torch
 from torch.utils.data import Dataset, IterableDataset, Sampler, get_worker_info
 
 from ._format import StoreLocation
-from ._reading import _ranges
 from .reader import RunStore, Table
 
 __all__ = ["BlockShuffleSampler", "Concatenated", "EpisodeDataset", "IterableEpisodeDataset", "Packed",
@@ -131,7 +130,7 @@ class _Read(list[Item]):
             for item, made in zip(self, self.made, strict=True))
 
 
-def _positions(indices: Sequence[int], n: int) -> np.ndarray:
+def _positions(indices: Sequence[int] | np.ndarray, n: int) -> np.ndarray:
     """``indices`` as rows of a dataset of ``n`` items (negative ones from the end).
 
     Raises:
@@ -394,8 +393,10 @@ class WindowDataset(Dataset[Item]):
             self.lengths[mine] = counts[first]
         whole = np.where(self.lengths >= window, (self.lengths - window) // stride + 1, 0)
         windows = whole + ((pad != "drop") & (whole * stride < self.lengths))
-        self.episode_of = np.repeat(np.arange(len(source.table)), windows)
-        self.start = _ranges(np.zeros(len(windows), np.int64), windows) * stride
+        # Items are numbered episode after episode: each episode's first item, and the count.
+        # Per episode, not per window (16 bytes a window would be 16 GB for 10^9 of them).
+        self._first = np.cumsum(windows) - windows
+        self._items = int(windows.sum())
 
     @property
     def table(self) -> Table:
@@ -403,15 +404,26 @@ class WindowDataset(Dataset[Item]):
         return self.source.table
 
     def __len__(self) -> int:
-        return len(self.episode_of)
+        return self._items
+
+    def locate(self, indices: Sequence[int] | np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The episode (row of :attr:`table`) and the start row of each item of ``indices``.
+
+        Raises:
+            IndexError: An index out of range.
+        """
+        at = _positions(indices, len(self))
+        # the last episode whose first item is at or before: episodes without windows share
+        # their first item with the episode after them, which comes last among equals
+        episodes = np.searchsorted(self._first, at, side="right") - 1
+        return episodes, (at - self._first[episodes]) * self.stride
 
     def __getitem__(self, index: int) -> Item:
         return self.__getitems__([index])[0]
 
     def __getitems__(self, indices: Sequence[int]) -> list[Item]:
         """Several windows, read in one bulk read (DataLoader calls this for each batch)."""
-        at = _positions(indices, len(self))
-        episodes, starts = self.episode_of[at], self.start[at]
+        episodes, starts = self.locate(indices)
         start = torch.from_numpy(starts)
         mask = torch.from_numpy(np.arange(self.window) < (self.lengths[episodes] - starts)[:, None])
         items = self.source.read(episodes, starts, starts + self.window)
