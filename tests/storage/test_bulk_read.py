@@ -177,41 +177,19 @@ def test_episodes_read_one_at_a_time_fetch_each_chunk_once(built: Built) -> None
     assert not again, f"chunks fetched more than once: {sorted(again.items())[:5]}"
 
 
-class InFlight(zarr.storage.WrapperStore[Any]):
-    """A store whose chunk reads each take 50 ms (an object store far away), counting how many
-    arrays have a read in flight at once."""
-
-    arrays: ClassVar[Counter[str]] = Counter()
-    peak: ClassVar[int] = 0
-
-    async def get(self, key: str, *args: Any, **kwargs: Any) -> Any:
-        array = CHUNK_KEY.sub("", key)
-        if array == key:  # metadata, not a chunk
-            return await self._store.get(key, *args, **kwargs)
-        InFlight.arrays[array] += 1
-        InFlight.peak = max(InFlight.peak, sum(1 for n in InFlight.arrays.values() if n))
-        try:
-            await asyncio.sleep(0.05)
-            return await self._store.get(key, *args, **kwargs)
-        finally:
-            InFlight.arrays[array] -= 1
-
-    def _with_store(self, store: Any) -> InFlight:
-        return InFlight(store)
-
-
 def test_an_object_store_s_arrays_are_read_at_once(built: Built) -> None:
     """On zarr's asynchronous path (object stores), the arrays of a read are fetched
     concurrently, so reading an episode costs about one round trip, not one per field. Bug
     caught: fields read one after the other (a read of n fields waited n round trips; 116 vs
     26 ms per episode at 20 ms a round trip, 6 fields)."""
-    store = InFlight(zarr.storage.FsspecStore.from_url(f"file://{built.path}", read_only=True))
+    store = Together(zarr.storage.FsspecStore.from_url(f"file://{built.path}", read_only=True))
     reader = RunStore(store, cache_bytes=0)  # every read goes to the store
     first, second = keys(reader.episodes("run-a"))[:2]
     reader.episode("run-a", *first)  # the episode index read, the arrays opened
-    InFlight.peak = 0
+    Together.watch(chunk_array)
     assert_same(reader.episode("run-a", *second), built.episodes["run-a"][second], ("run-a", second))
-    assert InFlight.peak >= 2, f"at most {InFlight.peak} array read at a time"
+    peak = max(map(len, Together.together), default=0)
+    assert peak >= 2, f"at most {peak} array read at a time"
 
 
 def test_the_episode_table_is_read_once_per_refresh(built: Built) -> None:
@@ -396,6 +374,12 @@ class Together(zarr.storage.WrapperStore[Any]):
 
     def _with_store(self, store: Any) -> Together:
         return Together(store)
+
+
+def chunk_array(key: str) -> str:
+    """The array a chunk key belongs to ("" for metadata)."""
+    array = CHUNK_KEY.sub("", key)
+    return "" if array == key else array
 
 
 def table_of(key: str) -> str:
