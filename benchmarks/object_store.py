@@ -27,9 +27,7 @@ reader's, and ``verify`` finds the store sound.
 from __future__ import annotations
 
 import asyncio
-import shutil
 import sys
-import tempfile
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -38,7 +36,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from ._timing import base_parser, machine, print_json, table, versions
-from .read import build_store, store_arguments
+from .read import build_store, in_scratch, store_arguments
 
 
 def _latency_store(root: Path, latency: float) -> Any:
@@ -133,11 +131,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--trials", type=int, default=3)
     store_arguments(parser, chunk_size=1 << 16)
     args = parser.parse_args(argv)
-    root = Path(tempfile.mkdtemp(prefix="worldtap-object-store-", dir=args.dir))
-    try:
-        case = run_case(args, root)
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
+    case = in_scratch(args, "object-store", run_case)
     if args.json:
         print_json({"benchmark": "object_store", "machine": machine(), "versions": versions(), "cases": [case]})
     else:

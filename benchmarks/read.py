@@ -41,7 +41,7 @@ import argparse
 import shutil
 import sys
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -102,6 +102,16 @@ def store_arguments(parser: argparse.ArgumentParser, *, chunk_size: int = 1 << 2
     parser.add_argument("--chunk-size", type=int, default=chunk_size)
     parser.add_argument("--dir", default=None, help="where the store goes (default: a temp dir)")
     parser.add_argument("--seed", type=int, default=0)
+
+
+def in_scratch(args: Any, name: str, run: Callable[[Any, Path], dict[str, Any]]) -> dict[str, Any]:
+    """``run(args, root)`` with ``root`` a fresh folder under ``--dir`` (the temp dir by
+    default), removed afterwards whatever happens."""
+    root = Path(tempfile.mkdtemp(prefix=f"worldtap-{name}-", dir=args.dir))
+    try:
+        return run(args, root)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
 
 
 def _nbytes(episode: dict[str, np.ndarray]) -> int:
@@ -260,11 +270,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="the chunk cache of the windows cases: less than the rows read, as a long run's")
     store_arguments(parser)
     args = parser.parse_args(argv)
-    root = Path(tempfile.mkdtemp(prefix="worldtap-read-", dir=args.dir))
-    try:
-        case = run_case(args, root)
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
+    case = in_scratch(args, "read", run_case)
     if args.json:
         print_json({"benchmark": "read", "machine": machine(), "versions": versions(), "cases": [case]})
     else:
