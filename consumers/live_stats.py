@@ -182,7 +182,7 @@ class _Group:
                  "shift", "slots", "split", "starts", "window", "work")
 
     def __init__(self, index: list[int], compute: torch.dtype, offset: torch.Tensor, exact: torch.Tensor,
-                 fused: Fused | None, native: _kernels.Kernel | _kernels.Counter | None = None) -> None:
+                 fused: Fused | None, native: Callable[..., None] | None = None) -> None:
         self.index = index
         self.compute = compute
         self.offset = offset
@@ -322,8 +322,9 @@ class _Group:
         extra: tuple[int, ...] = ()
         if count > 1:  # in parts, on several threads
             kernel, out, extra = _kernels.moments_parts(), window[row:row + count], (rows,)
-        else:
-            kernel, out = _kernels.moments_group(), window[row]
+        else:  # this group's own kernel: moments_group
+            assert self.native is not None
+            kernel, out = self.native, window[row]
         arity = _kernels.ARITY
         for a in range(0, len(arrays), arity):  # calls of ARITY arrays: one compiled variant
             chunk = arrays[a:a + arity]
@@ -466,12 +467,12 @@ class _Plan:
         for (compute, index, a), b in zip(spans, ends, strict=True):
             dtype = tensors[index[0]].dtype
             fused = _compiled_moments() if kernel == "compile" and dtype != torch.bool else None
-            native: _kernels.Kernel | _kernels.Counter | None = None
+            native: Callable[..., None] | None = None
             if kernel in ("auto", "numba") and device.type == "cpu" and _kernels.available():
                 if dtype == torch.bool:
                     native = _kernels.counts()
                 elif dtype in _NATIVE_DTYPES:
-                    native = _kernels.moments()
+                    native = _kernels.moments_group()
             self.groups.append(_Group(index, compute, self.acc[0, a:b], self.exact[a:b], fused, native))
 
     def update(self, tensors: Sequence[torch.Tensor], n: int) -> None:
