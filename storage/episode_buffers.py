@@ -9,9 +9,11 @@ written from here is visible before :meth:`storage.RunWriter.commit`.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -21,7 +23,8 @@ from ._format import HOOKS, numpy_dtype
 from .run_writer import RunWriter
 from .write_queue import RunWriteQueue
 
-__all__ = ["DenseTopicBuffer", "EpisodePacker", "RowBlock", "Segment", "TopicBuffer", "iter_pieces"]
+__all__ = ["GROUP_ROW_BYTES", "DenseTopicBuffer", "EpisodePacker", "Layout", "RowBlock", "Segment",
+           "TopicBuffer", "iter_pieces", "TRANSPOSE_ROWS"]
 
 Segment = tuple[int, int, int]
 """``(topic code, first row, row count)`` of one contiguous run of rows in one store."""
@@ -40,40 +43,113 @@ def iter_pieces(rows: np.ndarray, row_bytes: int, piece_bytes: int) -> Iterator[
         yield slice(start, len(rows))
 
 
+GROUP_ROW_BYTES = 64
+"""Fields of at most this many bytes a row (a cache line) share one array with the other
+fields of their dtype and row shape (see :class:`Layout`); larger fields have an array each:
+their rows are read whole lines at a time already, and a group would cost the writer a copy
+to turn its records back into columns."""
+
+
+@dataclass(frozen=True, slots=True)
+class Layout:
+    """How a term's fields are held: one ``[rows, fields, *shape]`` array per group of
+    fields, each field the view ``group[:, j]``.
+
+    Fields of one dtype and row shape whose rows are small (:data:`GROUP_ROW_BYTES`) form
+    one group, whose rows are records of every field: a batch is copied in with one call per
+    group, and moving an episode's rows out is one ``take`` of contiguous records per group,
+    not one ``take`` per field that reads a whole cache line for every few bytes (a term of
+    hundreds of scalar fields: hundreds of scattered reads a row). :meth:`RowBlock.columns`
+    turns the records back into one contiguous array per field, on the writer thread.
+    Every larger field is a group of its own, a plain ``[rows, *shape]`` array.
+    """
+
+    groups: tuple[tuple[np.dtype[Any], tuple[int, ...], tuple[str, ...]], ...]
+    """``(dtype, row shape, field names)`` of each group."""
+    where: dict[str, tuple[int, int]]
+    """Field name -> (group, position in it), in the specs' order."""
+
+    @staticmethod
+    def of(dtypes: Mapping[str, np.dtype[Any]], specs: Mapping[str, FieldSpec]) -> Layout:
+        keys: dict[tuple[Any, ...], list[str]] = {}
+        for name, spec in specs.items():
+            dtype, shape = dtypes[name], tuple(spec.shape)
+            small = dtype.itemsize * math.prod(shape) <= GROUP_ROW_BYTES
+            keys.setdefault((dtype, shape) if small else (dtype, shape, name), []).append(name)
+        groups = tuple((key[0], key[1], tuple(names)) for key, names in keys.items())
+        at = {name: (g, j) for g, (_, _, names) in enumerate(groups) for j, name in enumerate(names)}
+        return Layout(groups, {name: at[name] for name in specs})
+
+    def zeros(self, rows: int) -> list[np.ndarray]:
+        """New zeroed group arrays of ``rows`` rows (pages mapped lazily: calloc)."""
+        return [np.zeros((rows, len(names), *shape), dtype) for dtype, shape, names in self.groups]
+
+    def views(self, arrays: list[np.ndarray]) -> dict[str, np.ndarray]:
+        """Field name -> its ``[rows, *shape]`` view of ``arrays`` (strided in a group of
+        several fields), in the specs' order."""
+        return {name: arrays[g][:, j] for name, (g, j) in self.where.items()}
+
+
+TRANSPOSE_ROWS = 256
+"""Records turned into columns at a time (:meth:`RowBlock.columns`): a block stays in cache."""
+
+
 @dataclass(slots=True)
 class RowBlock:
-    """Rows of one term: its fields by name and, never among them, the row columns (the
-    global step and the lifecycle code of each row)."""
+    """Rows of one term: its field groups (:class:`Layout`) and, never among them, the row
+    columns (the global step and the lifecycle code of each row)."""
 
-    fields: dict[str, np.ndarray]
+    layout: Layout
+    groups: list[np.ndarray]
     steps: np.ndarray
     hooks: np.ndarray
 
+    @property
+    def fields(self) -> dict[str, np.ndarray]:
+        """Field name -> ``[rows, *shape]`` (views of :attr:`groups`)."""
+        return self.layout.views(self.groups)
+
+    def columns(self) -> dict[str, np.ndarray]:
+        """Field name -> its rows as one contiguous array: a field alone in its group is a
+        view; a group of several is turn into columns :data:`TRANSPOSE_ROWS` records at a time
+        (a plain strided copy per field reads a cache line for each of its values)."""
+        out = {}
+        for g, (_, _, names) in zip(self.groups, self.layout.groups, strict=True):
+            if len(names) == 1:
+                out[names[0]] = g[:, 0]
+                continue
+            cols = np.empty((len(names), len(g), *g.shape[2:]), g.dtype)
+            for r in range(0, len(g), TRANSPOSE_ROWS):
+                cols[:, r:r + TRANSPOSE_ROWS] = np.swapaxes(g[r:r + TRANSPOSE_ROWS], 0, 1)
+            out.update(zip(names, cols, strict=True))
+        return {name: out[name] for name in self.layout.where}
+
     def zeros(self, rows: int) -> RowBlock:
         """``rows`` zero rows of the same columns."""
-        return RowBlock({name: np.zeros((rows, *a.shape[1:]), a.dtype) for name, a in self.fields.items()},
-                        np.zeros(rows, self.steps.dtype), np.zeros(rows, self.hooks.dtype))
+        return RowBlock(self.layout, self.layout.zeros(rows), np.zeros(rows, self.steps.dtype),
+                        np.zeros(rows, self.hooks.dtype))
 
     @property
     def nbytes(self) -> int:
-        return sum(int(a.nbytes) for a in self.fields.values()) + int(self.steps.nbytes) + \
+        return sum(int(a.nbytes) for a in self.groups) + int(self.steps.nbytes) + \
             int(self.hooks.nbytes)
 
     def head(self, n: int) -> RowBlock:
         """The first ``n`` rows (views)."""
-        return RowBlock({name: a[:n] for name, a in self.fields.items()}, self.steps[:n], self.hooks[:n])
+        return RowBlock(self.layout, [g[:n] for g in self.groups], self.steps[:n], self.hooks[:n])
 
 
 def _gather(buf: TopicBuffer, idx: np.ndarray, out: RowBlock | None = None, at: int = 0) -> RowBlock:
-    """Rows ``idx`` of ``buf``: into ``out`` from row ``at`` on, or into new arrays."""
+    """Rows ``idx`` of ``buf``: into ``out`` from row ``at`` on, or into new arrays (one
+    ``take`` of records per field group)."""
     # numpy gathers on this thread alone: torch's index_select would fan out to OpenMP
     # workers that contend with zarr's codec threads and the receiver for the cores.
     if out is None:
-        return RowBlock({name: np.take(b, idx, axis=0) for name, b in buf.views.items()},
+        return RowBlock(buf.layout, [np.take(g, idx, axis=0) for g in buf.groups],
                         np.take(buf.steps, idx), np.take(buf.hooks, idx))
     end = at + len(idx)
-    for name, b in buf.views.items():
-        np.take(b, idx, axis=0, out=out.fields[name][at:end], mode="clip")
+    for g, o in zip(buf.groups, out.groups, strict=True):
+        np.take(g, idx, axis=0, out=o[at:end], mode="clip")
     np.take(buf.steps, idx, out=out.steps[at:end], mode="clip")
     np.take(buf.hooks, idx, out=out.hooks[at:end], mode="clip")
     return out
@@ -82,8 +158,9 @@ def _gather(buf: TopicBuffer, idx: np.ndarray, out: RowBlock | None = None, at: 
 class TopicBuffer:
     """Rows of one batch topic (a recorder term), per world, for the episodes in progress.
 
-    Storage is one ``[worlds * capacity, *shape]`` array per field (:attr:`views`, by field
-    name) and, apart from them, the row columns :attr:`steps` (global step of each row) and
+    Storage is one ``[worlds * capacity, *shape]`` view per field (:attr:`views`, by field
+    name; small fields of one dtype and shape share an array, :attr:`groups`, see
+    :class:`Layout`) and, apart from them, the row columns :attr:`steps` (global step of each row) and
     :attr:`hooks` (lifecycle code of each row), so a field may bear any name (``_step`` too).
     Row ``r`` of world ``w`` is at ``w * capacity + r`` (world-major), so a batch is one fancy-index assignment and
     copying out episodes one ``take`` over contiguous runs of rows (an episode's rows are
@@ -103,6 +180,7 @@ class TopicBuffer:
         self.schema = TopicSchema(specs)
         """The term's schema: every later batch is checked by it (by name)."""
         self.dtypes = {name: numpy_dtype(spec.dtype) for name, spec in specs.items()}
+        self.layout = Layout.of(self.dtypes, self.specs)
         self.row_bytes = sum(d.itemsize * int(np.prod(s.shape, dtype=np.int64))
                              for d, s in zip(self.dtypes.values(), specs.values(), strict=True))
         self.row_bytes += 9  # the row columns: step (int64) and hook (uint8)
@@ -114,8 +192,9 @@ class TopicBuffer:
         self.capacity = capacity
         n = capacity * self.num_worlds
         # np.zeros maps pages lazily (calloc): only rows actually used become resident
-        self.views = {name: np.zeros((n, *spec.shape), self.dtypes[name])
-                      for name, spec in self.specs.items()}
+        self.groups = self.layout.zeros(n)
+        """The field groups' arrays, ``[rows, fields, *shape]`` each (:class:`Layout`)."""
+        self.views = self.layout.views(self.groups)
         """Field name -> rows (fields only: the row columns are :attr:`steps` and :attr:`hooks`)."""
         self.steps = np.zeros(n, np.int64)
         self.hooks = np.zeros(n, np.uint8)
@@ -123,7 +202,7 @@ class TopicBuffer:
     @property
     def nbytes(self) -> int:
         """Bytes allocated for rows (pages are mapped lazily; this is the bound)."""
-        return sum(int(v.nbytes) for v in self.views.values()) + int(self.steps.nbytes) + \
+        return sum(int(g.nbytes) for g in self.groups) + int(self.steps.nbytes) + \
             int(self.hooks.nbytes)
 
     @property
@@ -183,11 +262,14 @@ class DenseTopicBuffer(TopicBuffer):
         self.t = 0  # slots used so far (the next slot is t % capacity)
         self.first = np.zeros(self.num_worlds, np.int64)  # slot count at each world's first row
         self.present = np.ones((capacity, self.num_worlds), bool)
+        self._stage = [np.empty((len(names), self.num_worlds, *shape), dtype) if len(names) > 1 else None
+                       for dtype, shape, names in self.layout.groups]  # a batch's groups, column-wise
         self._all = np.arange(self.num_worlds)
 
     @property
     def memory(self) -> int:
-        return super().memory + int(self.first.nbytes + self.present.nbytes + self._all.nbytes)
+        return super().memory + int(self.first.nbytes + self.present.nbytes + self._all.nbytes) + \
+            sum(int(s.nbytes) for s in self._stage if s is not None)
 
     def full(self, worlds: np.ndarray) -> bool:
         busy = self.counts > 0
@@ -199,8 +281,12 @@ class DenseTopicBuffer(TopicBuffer):
         n, slot = self.num_worlds, self.t % self.capacity
         rows = slice(slot * n, (slot + 1) * n)
         if len(worlds) == n and np.array_equal(worlds, self._all):  # every world: plain copies
-            for name, values in fields.items():
-                self.views[name][rows] = values
+            for g, stage, (_, _, names) in zip(self.groups, self._stage, self.layout.groups, strict=True):
+                if stage is None:
+                    g[rows, 0] = fields[names[0]]
+                else:  # the group's fields side by side (one call), then into records (one copy)
+                    np.stack([fields[name] for name in names], out=stage)
+                    g[rows] = np.swapaxes(stage, 0, 1)
             self.present[slot] = True
         else:
             for name, values in fields.items():
@@ -301,7 +387,7 @@ class EpisodePacker:
             pending.result()
 
     def _write(self, block: RowBlock, entries: list[tuple[list[Segment], int]]) -> None:
-        offset = self.writer.append(self.term, block.fields, block.steps, block.hooks)
+        offset = self.writer.append(self.term, block.columns(), block.steps, block.hooks)
         code = self.writer.topic_code(self.term)
         for segs, rows in entries:
             segs.append((code, offset, rows))

@@ -1,9 +1,13 @@
 """The daemon's episode buffers (world-major and time-major) against a per-world reference.
 
 The term has fields named ``_step`` and ``_hook`` beside the row columns (``steps``,
-``hooks``) with other values: a buffer that kept them in one dict lost the fields' values."""
+``hooks``) with other values: a buffer that kept them in one dict lost the fields' values.
+Small fields of one dtype and shape share an array (``x`` and ``y``, ``flag`` and ``ok``);
+``big`` has one of its own; every field is read back the way the packer moves it out."""
 
 from __future__ import annotations
+
+from typing import Any
 
 import numpy as np
 import pytest
@@ -13,29 +17,57 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from broker import FieldSpec
 from storage._format import HOOKS
-from storage.episode_buffers import DenseTopicBuffer, TopicBuffer
+from storage.episode_buffers import DenseTopicBuffer, TopicBuffer, _gather
 
 pytestmark = pytest.mark.timeout(60)
 
 SPECS = {"_step": FieldSpec("int64", ()), "x": FieldSpec("float32", (3,)), "flag": FieldSpec("bool", ()),
-         "_hook": FieldSpec("uint8", ())}
+         "_hook": FieldSpec("uint8", ()), "y": FieldSpec("float32", (3,)), "big": FieldSpec("float32", (20,)),
+         "ok": FieldSpec("bool", ())}
 
-Row = tuple[float, int, int, int, int]
-"""x[0], the row's step, the fields ``_step`` and ``_hook``, the row's hook code."""
+Row = tuple[Any, ...]
+"""x, the row's step, the fields ``_step`` and ``_hook``, the row's hook code, y, big, flag, ok."""
 
 
 def _fields(x: np.ndarray) -> dict[str, np.ndarray]:
     """A batch's fields; ``_step`` and ``_hook`` differ from any row's step and hook code."""
-    return {"_step": -x[:, 0].astype(np.int64) - 7, "x": x, "flag": x[:, 0] > 0,
-            "_hook": (x[:, 0].astype(np.int64) % 200 + 50).astype(np.uint8)}
+    return {"_step": -x[:, 0].astype(np.int64) - 7, "x": x, "flag": x[:, 0] % 2 > 0,
+            "_hook": (x[:, 0].astype(np.int64) % 200 + 50).astype(np.uint8), "y": -x - 0.5,
+            "big": np.repeat(x[:, :1], 20, axis=1) + np.arange(20, dtype=np.float32), "ok": x[:, 0] % 3 > 0}
 
 
-def _rows(buf: TopicBuffer, worlds: np.ndarray) -> dict[int, list[Row]]:
-    """Each world's buffered rows, gathered the way the stager does."""
+def _model_rows(x: np.ndarray, fields: dict[str, np.ndarray], step: int, hook: int) -> list[Row]:
+    return list(zip(map(tuple, x.tolist()), [step] * len(x), fields["_step"].tolist(),
+                    fields["_hook"].tolist(), [hook] * len(x), map(tuple, fields["y"].tolist()),
+                    map(tuple, fields["big"].tolist()), fields["flag"].tolist(), fields["ok"].tolist(),
+                    strict=True))
+
+
+def test_small_fields_of_one_dtype_and_shape_share_an_array() -> None:
+    buf = TopicBuffer("t", SPECS, 2, 3)
+    assert [names for _, _, names in buf.layout.groups] == [("_step",), ("x", "y"), ("flag", "ok"),
+                                                            ("_hook",), ("big",)]
+    assert list(buf.views) == list(SPECS)
+
+
+def _rows(buf: TopicBuffer, worlds: np.ndarray, at: int) -> dict[int, list[Row]]:
+    """Each world's buffered rows, moved out the way the packer does: gathered into a
+    block from row ``at`` on, then turned into one column per field."""
     out: dict[int, list[Row]] = {}
     idx = buf.rows_of(worlds)
-    cols = (buf.views["x"][idx, 0].tolist(), buf.steps[idx].tolist(), buf.views["_step"][idx].tolist(),
-            buf.views["_hook"][idx].tolist(), buf.hooks[idx].tolist())
+    block = _gather(buf, np.zeros(0, np.int64)).zeros(at + len(idx) + 2)
+    _gather(buf, idx, block, at)
+    alone = _gather(buf, idx)  # (a world longer than a piece: new arrays)
+    columns = block.head(at + len(idx)).columns()
+    for name, values in alone.columns().items():
+        np.testing.assert_array_equal(values, columns[name][at:], err_msg=name)
+        assert values.flags.c_contiguous
+        assert columns[name].flags.c_contiguous
+    steps, hooks = block.steps[at:at + len(idx)].tolist(), block.hooks[at:at + len(idx)].tolist()
+    cols = [[tuple(v) if isinstance(v, list) else v for v in c]
+            for c in (columns["x"][at:].tolist(), steps, columns["_step"][at:].tolist(),
+                      columns["_hook"][at:].tolist(), hooks, columns["y"][at:].tolist(),
+                      columns["big"][at:].tolist(), columns["flag"][at:].tolist(), columns["ok"][at:].tolist())]
     pos = 0
     for w, n in zip(worlds.tolist(), buf.counts[worlds].tolist(), strict=True):
         out[w] = list(zip(*(c[pos:pos + n] for c in cols), strict=True))
@@ -56,8 +88,8 @@ class BufferMachine(RuleBasedStateMachine):
         self.buf = self.kind("t", SPECS, self.worlds_n, 4)
         self.model: dict[int, list[Row]] = {w: [] for w in range(self.worlds_n)}
 
-    def _move_out(self, worlds: np.ndarray) -> None:
-        assert _rows(self.buf, worlds) == {w: self.model[w] for w in worlds.tolist()}
+    def _move_out(self, worlds: np.ndarray, at: int = 0) -> None:
+        assert _rows(self.buf, worlds, at) == {w: self.model[w] for w in worlds.tolist()}
         self.buf.discard(worlds)
         for w in worlds.tolist():
             self.model[w] = []
@@ -74,15 +106,14 @@ class BufferMachine(RuleBasedStateMachine):
         x = (np.arange(len(worlds) * 3, dtype=np.float32).reshape(-1, 3) + 1000 * self.step)
         fields = _fields(x)
         self.buf.add(worlds, fields, self.step, hook)
-        for w, v, fs, fh in zip(worlds.tolist(), x[:, 0].tolist(), fields["_step"].tolist(),
-                                fields["_hook"].tolist(), strict=True):
-            self.model[w].append((v, self.step, fs, fh, HOOKS.index(hook)))
+        for w, row in zip(worlds.tolist(), _model_rows(x, fields, self.step, HOOKS.index(hook)), strict=True):
+            self.model[w].append(row)
         self.step += 1
 
-    @rule(data=st.data())
-    def end_episodes(self, data: st.DataObject) -> None:
+    @rule(data=st.data(), at=st.integers(0, 5))
+    def end_episodes(self, data: st.DataObject, at: int) -> None:
         ended = data.draw(st.sets(st.integers(0, self.worlds_n - 1)))
-        self._move_out(np.array(sorted(ended), dtype=np.int64))
+        self._move_out(np.array(sorted(ended), dtype=np.int64), at)
 
     @rule(capacity=st.integers(1, 6), grow=st.integers(0, 3))
     def reshape(self, capacity: int, grow: int) -> None:
