@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import hashlib
 import math
 import os
@@ -337,41 +338,58 @@ class SyncedLocalStore(RunLocalStore):
 _WRITE_ATTEMPTS = 5
 
 
+_CREATE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_BINARY", 0)
+
+
 def _write(path: Path, value: Buffer, durable: bool, exclusive: bool) -> None:
     """Write ``value`` to ``path`` through a temporary file beside it (see
-    :class:`RunLocalStore`); ``exclusive``: only if ``path`` does not exist."""
+    :class:`RunLocalStore`); ``exclusive``: only if ``path`` does not exist.
+
+    A chunk write is a handful of system calls (create, write, rename): the parent directory
+    is made only when the create finds it missing, and the temporary file is removed only
+    when the rename did not happen (a commit of hundreds of columns writes hundreds of files).
+    """
+    target = os.fspath(path)
     for _ in range(_WRITE_ATTEMPTS):
-        if exclusive and path.exists():
+        if exclusive and os.path.exists(target):
             return
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f"{path.name}.{uuid.uuid4().hex}.partial")
+        tmp = f"{target}.{uuid.uuid4().hex}.partial"
         try:
-            with tmp.open("wb") as f:
+            fd = os.open(tmp, _CREATE, 0o666)
+        except FileNotFoundError:
+            os.makedirs(os.path.dirname(target), exist_ok=True)
+            fd = os.open(tmp, _CREATE, 0o666)
+        placed = False
+        try:
+            with open(fd, "wb", closefd=True) as f:
                 f.write(value.as_buffer_like())
                 if durable:
                     f.flush()
                     os.fsync(f.fileno())
             try:
                 if exclusive:
-                    os.link(tmp, path)
+                    os.link(tmp, target)
                 else:
-                    os.replace(tmp, path)
+                    os.replace(tmp, target)
+                    placed = True
             except FileExistsError:  # exclusive: another writer created it meanwhile
                 return
             except FileNotFoundError:
-                if not path.parent.is_dir():
+                if not os.path.isdir(os.path.dirname(target)):
                     raise
                 continue  # the temporary file was removed as debris: write it again
         finally:
-            tmp.unlink(missing_ok=True)
+            if not placed:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(tmp)
         if durable:
-            fd = os.open(path.parent, os.O_RDONLY)
+            fd = os.open(os.path.dirname(target), os.O_RDONLY)
             try:
                 os.fsync(fd)
             finally:
                 os.close(fd)
         return
-    raise OSError(f"{str(path)!r}: its temporary file was removed {_WRITE_ATTEMPTS} times before it "
+    raise OSError(f"{target!r}: its temporary file was removed {_WRITE_ATTEMPTS} times before it "
                   f"could be renamed into place (another process keeps deleting *.partial files here)")
 
 

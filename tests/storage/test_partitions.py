@@ -256,14 +256,14 @@ def test_creating_nodes_writes_nothing_beside_the_shared_metadata(tmp_path: Path
     store = open_store(tmp_path / "runs.zarr")
     RunStoreWriter(tmp_path / "runs.zarr", partition=Partition(0, 3))  # the root and runs/ exist
     opened: list[Path] = []
-    real_open = Path.open
+    real_open = os.open
 
-    def recording_open(self: Path, mode: str = "r", *args: object, **kwargs: object) -> object:
-        if "w" in mode:
-            opened.append(self)
-        return real_open(self, mode, *args, **kwargs)  # type: ignore[call-overload]
+    def recording_open(path: str | Path, flags: int, *args: int, **kwargs: object) -> int:
+        if flags & os.O_CREAT:
+            opened.append(Path(path))
+        return real_open(path, flags, *args, **kwargs)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(Path, "open", recording_open)
+    monkeypatch.setattr(os, "open", recording_open)
     import zarr
 
     zarr.create_array(store, name="runs/r/data/t/x", shape=(4,), dtype="int32")
