@@ -52,13 +52,17 @@ from .errors import StorageError, StoreFormatError
 from .run_writer import RunWriter
 from .write_queue import RunWriteQueue
 
-__all__ = ["GAP_JOINED_LATE", "GAP_SEQUENCE", "MAX_WORLDS", "ExportMode", "RejectedMessage", "RunAssembly",
-           "run_fields"]
+__all__ = ["COMMIT_PACE", "GAP_JOINED_LATE", "GAP_SEQUENCE", "MAX_WORLDS", "ExportMode", "RejectedMessage",
+           "RunAssembly", "run_fields"]
 
 ExportMode: TypeAlias = Literal["all", "succeeded", "split", "none"]
 
 MAX_WORLDS = 1 << 24
 """Most worlds a run may have (world indices are checked against the run's count first)."""
+COMMIT_PACE = 4.0
+"""A busy run's next commit waits at least this many times what its last commit took on the
+writer thread (and at least the commit interval): commits take at most about a fifth of the
+writer's time however many columns each rewrites."""
 _MIN_PIECE = 512  # bytes: smallest write piece (a piece holds at least one row whatever its size)
 _WORLD_BYTES = 9  # per world: its episode index (int64) and whether it is seen whole (bool)
 _TOPIC_WORLD_BYTES = 24  # per world and topic: row count, first slot, world index (int64 each)
@@ -288,7 +292,9 @@ class RunAssembly:
         budget_bytes: Memory for in-progress rows and write pieces of this run.
         clean: Whether every world's current episode is seen from its start.
         resumed: Whether the run was reopened from the store (its first job recovers it).
-        commit_interval: Seconds between index commits while the run is busy.
+        commit_interval: Seconds between index commits while the run is busy, at least; a
+            commit that took long spaces the next by :data:`COMMIT_PACE` times its duration
+            (``0``: a commit at every call of :meth:`due` that finds something to commit).
         joined: Whether the run was joined without its ``RunStart`` (and not resumed): if its
             first message is not seq 0 or 1, the messages before it are recorded as a gap
             (source :data:`GAP_JOINED_LATE`).
@@ -314,6 +320,7 @@ class RunAssembly:
         self._joined = joined
         self._unmade: set[tuple[int, str]] = set()  # (writer, term) declared, arrays not made yet
         self.commit_interval = commit_interval
+        self._commit_took: dict[int, float] = {}  # writer -> seconds its last commit job ran
         self.topics: dict[str, TopicBuffer] = {}
         self.episode = np.full(self.num_worlds, 0 if clean else -1, np.int64)
         self.clean = np.full(self.num_worlds, clean, bool)
@@ -678,12 +685,28 @@ class RunAssembly:
 
     def due(self) -> bool:
         """Whether something waits to be committed and the commit interval elapsed (or the
-        variation samples waiting for it fill an eighth of the run's budget)."""
+        variation samples waiting for it fill an eighth of the run's budget).
+
+        The interval is at least :data:`COMMIT_PACE` times what the last commit took on the
+        writer thread (a commit rewrites every column's partial last chunk: with hundreds of
+        fields, commits every half second would take the writer's whole time), so commits
+        cost at most about a fifth of it; a zero interval commits whenever asked."""
         if self._pending_var_bytes > self.budget_bytes // 8:
             return True
+        interval = self.commit_interval
+        if interval:
+            interval = max(interval, COMMIT_PACE * sum(self._commit_took.values()))
         return bool(self.pending or self.pending_vars or self.pending_gaps
                     or self.rejected != self._rejected_committed) and \
-            time.monotonic() - self.last_commit >= self.commit_interval
+            time.monotonic() - self.last_commit >= interval
+
+    def _timed_commit(self, writer: RunWriter, *args: Any) -> None:
+        """:func:`_commit_job` on the writer thread, timed for :meth:`due`."""
+        began = time.monotonic()
+        try:
+            _commit_job(writer, *args)
+        finally:
+            self._commit_took[id(writer)] = time.monotonic() - began
 
     def commit(self, *, status: str | None = None, extra: dict[str, Any] | None = None,
                wait: bool = False) -> None:
@@ -712,7 +735,7 @@ class RunAssembly:
             self._rejected_committed = dict(self.rejected)
             extra = {**(extra or {}), "rejected": dict(sorted(self.rejected.items()))}
         for writer in self._writers():
-            self.queue.submit(_commit_job, writer, pending.get(id(writer), []), variations, gaps,
+            self.queue.submit(self._timed_commit, writer, pending.get(id(writer), []), variations, gaps,
                               self.seq_high, self.step_high, status, extra)
         self.last_commit = time.monotonic()
         if wait:

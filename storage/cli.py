@@ -109,7 +109,9 @@ def _serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--fsync", action="store_true",
                    help="sync data and index to disk before each commit (power-loss safe)")
     p.add_argument("--commit-interval", type=seconds(zero=True), default=0.5, metavar="SECONDS",
-                   help="seconds between index commits while a run is busy (default 0.5)")
+                   help="seconds between index commits while a run is busy, at least (default "
+                        "0.5); a run whose commits take long commits no sooner than 4 times its "
+                        "last commit's duration after it")
     p.add_argument("--status-interval", type=seconds(zero=False), default=5.0, metavar="SECONDS",
                    help="seconds between status lines, and the interval of the write rates "
                         "(default 5)")

@@ -114,7 +114,11 @@ class StoreDaemon:
             :func:`failed_store_location`).
         compression, chunk_bytes, fsync: Passed to :class:`storage.RunStoreWriter`.
         memory_budget: Bytes for buffered episode data across all runs together (default 1 GiB).
-        commit_interval: Seconds between index commits while a run is busy (finite, >= 0).
+        commit_interval: Seconds between index commits while a run is busy (finite, >= 0), at
+            least: a run whose commits take long (hundreds of columns, each commit rewriting
+            every column's partial last chunk) commits no sooner than
+            :data:`storage.assembly.COMMIT_PACE` times its last commit's duration after it, so
+            the episodes a crash can lose span that much longer.
         max_runs: Runs held in memory at once; the least recently active one is retired (its
             complete episodes committed) to admit another, or the new run is rejected.
         idle_timeout: Seconds without a message after which a run is retired (it resumes if

@@ -411,3 +411,42 @@ def test_a_term_schema_is_checked_by_topic_schema_naming_the_field(broker: Broke
     ep = reader.episode("run-a", 0, 1)
     assert ep["obs/state"].tobytes() == (3 * torch.ones(1, 3)).numpy().tobytes()
     assert ep["obs/h"].tobytes() == half[:1].to(torch.float32).numpy().tobytes()
+
+
+def test_a_slow_commit_spaces_the_next_by_the_commit_pace(broker: Broker, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A busy run commits every ``commit_interval`` at the most often, and no sooner than
+    ``COMMIT_PACE`` times what its last commit took on the writer thread: a term of hundreds
+    of columns rewrites hundreds of partial chunks a commit, which at every half second would
+    take the writer's whole time. The clock is the test's: each commit job "takes" 2 s. Bug
+    caught: commits paced by the interval alone (a commit due 0.5 s after one that took 2 s)."""
+    import storage.assembly as assembly
+
+    clock = [1000.0]
+    monkeypatch.setattr(assembly.time, "monotonic", lambda: clock[0])
+    real_job = assembly._commit_job
+
+    def slow_job(*args: Any) -> None:
+        real_job(*args)
+        clock[0] += 2.0
+
+    monkeypatch.setattr(assembly, "_commit_job", slow_job)
+    daemon = StoreDaemon(zarr.storage.MemoryStore(), commit_interval=0.5)
+    broker.subscribe("", daemon)
+    sim = Sim(broker, 6, reset_p=0.5)
+    sim.step(10)
+    (asm,) = daemon.runs.values()
+    assert asm.due() is False  # the interval has not elapsed
+    clock[0] += 0.5
+    assert asm.due() is True  # nothing committed yet: the interval alone
+    began = clock[0]
+    asm.commit(wait=True)  # took 2 s on the writer thread
+    sim.step(10)
+    assert asm.pending
+    clock[0] += 0.5
+    assert asm.due() is False  # 2.5 s since it began: the interval elapsed, the pace has not
+    clock[0] = began + assembly.COMMIT_PACE * 2.0 - 0.01
+    assert asm.due() is False
+    clock[0] += 0.02
+    assert asm.due() is True
+    daemon.close()
+    assert daemon.statistics().episodes_stored == len(sim.outcome)
