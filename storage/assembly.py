@@ -777,12 +777,15 @@ class RunAssembly:
     def _need(self, piece: int, capacity: int) -> int:
         """Bytes the run holds at most with pieces of ``piece`` bytes and ``capacity`` rows per
         world of every topic: per-world bookkeeping, rows (one ``present`` byte each
-        included), and two piece buffers per term and writer (a piece holds one row at least)."""
+        included), and two piece buffers per term and writer (a piece holds one row at least);
+        for fields held in groups (:class:`storage.episode_buffers.Layout`), a batch's staging
+        copy of them and the writer thread's copy of a piece's records turned into columns."""
         writers = len(self._writers())
-        fixed = self.num_worlds * (_WORLD_BYTES + _TOPIC_WORLD_BYTES * len(self.topics))
+        grouped = sum(b.layout.grouped_bytes for b in self.topics.values())
+        fixed = self.num_worlds * (_WORLD_BYTES + _TOPIC_WORLD_BYTES * len(self.topics) + grouped)
         rows = capacity * self.num_worlds * sum(b.row_bytes + 1 for b in self.topics.values())
-        pieces = 2 * writers * (sum(max(piece, b.row_bytes) for b in self.topics.values())
-                                if self.topics else piece)
+        pieces = writers * (sum(2 * max(piece, b.row_bytes) + max(1, piece // b.row_bytes) * b.layout.grouped_bytes
+                                for b in self.topics.values()) if self.topics else 2 * piece)
         return fixed + rows + pieces
 
     def _rebudget(self) -> None:

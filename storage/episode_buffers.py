@@ -23,8 +23,8 @@ from ._format import HOOKS, numpy_dtype
 from .run_writer import RunWriter
 from .write_queue import RunWriteQueue
 
-__all__ = ["GROUP_ROW_BYTES", "DenseTopicBuffer", "EpisodePacker", "Layout", "RowBlock", "Segment",
-           "TopicBuffer", "iter_pieces", "TRANSPOSE_ROWS"]
+__all__ = ["GROUP_ROW_BYTES", "TRANSPOSE_ROWS", "DenseTopicBuffer", "EpisodePacker", "Layout", "RowBlock",
+           "Segment", "TopicBuffer", "iter_pieces"]
 
 Segment = tuple[int, int, int]
 """``(topic code, first row, row count)`` of one contiguous run of rows in one store."""
@@ -80,6 +80,13 @@ class Layout:
         at = {name: (g, j) for g, (_, _, names) in enumerate(groups) for j, name in enumerate(names)}
         return Layout(groups, {name: at[name] for name in specs})
 
+    @property
+    def grouped_bytes(self) -> int:
+        """Bytes a row of the fields in groups of several (a batch's staging copy of them, and
+        the writer's copy of a piece's records turned into columns, are this per row)."""
+        return sum(dtype.itemsize * math.prod(shape) * len(names)
+                   for dtype, shape, names in self.groups if len(names) > 1)
+
     def zeros(self, rows: int) -> list[np.ndarray]:
         """New zeroed group arrays of ``rows`` rows (pages mapped lazily: calloc)."""
         return [np.zeros((rows, len(names), *shape), dtype) for dtype, shape, names in self.groups]
@@ -111,7 +118,7 @@ class RowBlock:
 
     def columns(self) -> dict[str, np.ndarray]:
         """Field name -> its rows as one contiguous array: a field alone in its group is a
-        view; a group of several is turn into columns :data:`TRANSPOSE_ROWS` records at a time
+        view; a group of several is turned into columns :data:`TRANSPOSE_ROWS` records at a time
         (a plain strided copy per field reads a cache line for each of its values)."""
         out = {}
         for g, (_, _, names) in zip(self.groups, self.layout.groups, strict=True):
