@@ -44,6 +44,9 @@ pipeline, ``pip install zarrs``), ``sharded`` (that path on sharded arrays, shar
 chunks). ``--daemon-writer public|zarrs`` runs the daemon itself on zarr's public path, or
 on it with the zarrs pipeline (default: the daemon's own choice, its chunk threads here).
 
+``--scalar-fields N``: the payload gains N float32 scalar fields and N/6 bool ones (a term
+of many narrow columns, each its own array: the daemon's per-field and per-chunk-file work).
+
 ``--store s3``: the same pipeline into an S3 API on loopback (moto in server mode, started
 here; needs ``moto[server]`` and s3fs), with the same byte-for-byte check of every row read
 back from S3; the amplification is not measured there (the bytes go out on a socket).
@@ -74,9 +77,23 @@ RUN = "bench"
 TERM = "seed"
 
 
+SCALARS = 0
+"""``--scalar-fields``: float32 scalar fields added to the seed payload (and a bool scalar
+field per six), for a term of many narrow columns; set by :func:`main` in every process."""
+
+
 def _pool(worlds: int) -> dict[str, np.ndarray]:
     steps = [make_payload(worlds, seed=k) for k in range(POOL)]
-    return {name: np.stack([s[name].numpy() for s in steps]) for name in steps[0]}
+    pool = {name: np.stack([s[name].numpy() for s in steps]) for name in steps[0]}
+    gen = np.random.default_rng(worlds)
+    pool.update({f"scalar{i:03d}": gen.standard_normal((POOL, worlds), dtype=np.float32)
+                 for i in range(SCALARS)})
+    pool.update({f"flag{i:03d}": gen.random((POOL, worlds)) < 0.5 for i in range(SCALARS // 6)})
+    return pool
+
+
+def _row_bytes(pool: dict[str, np.ndarray]) -> int:
+    return sum(int(v[0, 0].nbytes) for v in pool.values())
 
 
 def _stamped(pool: dict[str, np.ndarray], step: int, worlds: np.ndarray | None = None) -> dict[str, np.ndarray]:
@@ -167,7 +184,8 @@ def _zmq_ceiling(worlds: int, seconds: float) -> float:
     import zmq
 
     proc = subprocess.Popen([sys.executable, "-m", "benchmarks.pipeline", "--role", "zmq-sender",
-                             "--worlds", str(worlds), "--seconds", str(seconds)],
+                             "--worlds", str(worlds), "--seconds", str(seconds),
+                             "--scalar-fields", str(SCALARS)],
                             stdout=subprocess.PIPE, text=True)
     ctx = zmq.Context()
     try:
@@ -230,7 +248,7 @@ def _zarr_ceiling(worlds: int, seconds: float, root: Path, args: Any, *,
 
     zarr.config.set({"threading.max_workers": os.cpu_count() or 2})  # as the daemon's default
     pool = _pool(worlds)
-    piece_rows = max(1, min(64 << 20, args.memory_budget // 16) // 672)
+    piece_rows = max(1, min(64 << 20, args.memory_budget // 16) // _row_bytes(pool))
     block = {k: np.concatenate([v[i % POOL] for i in range(-(-piece_rows // worlds))])[:piece_rows]
              for k, v in pool.items()}
     folder = Path(tempfile.mkdtemp(dir=root))
@@ -337,7 +355,7 @@ def _written(io_file: Path, store: str, received: int, rows: int, worlds: int) -
     """The write-amplification figures (see the module docstring) of a store whose runs hold
     ``rows`` rows; ``None`` where not measured."""
     pool = _pool(worlds)
-    field_bytes = rows * sum(int(v[0, 0].nbytes) for v in pool.values())
+    field_bytes = rows * _row_bytes(pool)
     stored = _store_bytes(store)
     written = json.loads(io_file.read_text())["wchar"] if not store.startswith("s3://") else None
     return {"field_bytes_received": received, "field_bytes": field_bytes, "store_bytes": stored,
@@ -370,7 +388,7 @@ def _pipeline(args: Any, root: Path, store: str) -> dict[str, Any]:
     pub = subprocess.Popen([sys.executable, "-m", "benchmarks.pipeline", "--role", "publisher",
                             "--worlds", str(args.worlds), "--seconds", str(args.seconds),
                             "--episode-length", str(args.episode_length), "--ends", str(ends),
-                            "--transport", args.transport],
+                            "--transport", args.transport, "--scalar-fields", str(SCALARS)],
                            stdout=subprocess.PIPE, text=True, env=env)
     daemon = None
     try:
@@ -435,7 +453,8 @@ def _proxied(args: Any, root: Path, store: str) -> dict[str, Any]:
         pubs = [subprocess.Popen([sys.executable, "-m", "benchmarks.pipeline", "--role", "publisher",
                                   "--worlds", str(args.worlds), "--seconds", str(args.seconds),
                                   "--episode-length", str(args.episode_length), "--ends", str(ends),
-                                  "--connect", front, "--run", run, "--seed", str(args.seed + k)],
+                                  "--connect", front, "--run", run, "--seed", str(args.seed + k),
+                                  "--scalar-fields", str(SCALARS)],
                                  stdout=subprocess.PIPE, text=True, env=env)
                 for k, (run, ends) in enumerate(runs.items())]
         procs += pubs
@@ -575,6 +594,9 @@ def main() -> None:
     parser.add_argument("--transport", default="tcp", choices=("tcp", "ipc"),
                         help="publisher -> daemon transport (tcp loopback, or a unix socket)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--scalar-fields", type=int, default=0, metavar="N",
+                        help="add N float32 scalar fields (and N/6 bool ones) to the seed payload: "
+                             "a term of many narrow columns")
     parser.add_argument("--publishers", type=int, default=None, metavar="N",
                         help="N publisher processes through a worldtap-proxy process (default: one "
                              "publisher, no proxy)")
@@ -590,6 +612,10 @@ def main() -> None:
                         help="the daemon's chunk path: its own choice, zarr's public API, or that "
                              "with the zarrs codec pipeline (pip install zarrs)")
     args = parser.parse_args()
+    global SCALARS
+    if args.scalar_fields < 0:
+        parser.error(f"--scalar-fields: expected a count >= 0, got {args.scalar_fields}")
+    SCALARS = args.scalar_fields
     if args.publishers is not None and args.publishers < 1:
         parser.error(f"--publishers: expected a positive integer, got {args.publishers}")
     paths = args.writer_paths.split(",")
@@ -637,6 +663,7 @@ def main() -> None:
     slower = min(ceilings["zmq"]["median"], ceilings["zarr"]["median"])
     budget_rss = args.memory_budget + 300 * 10**6
     case = {"worlds": args.worlds, "seconds": args.seconds, "store": args.store,
+            "fields": len(_pool(1)), "row_bytes": _row_bytes(_pool(1)),
             "daemon_writer": args.daemon_writer, **result, **_cpu(result, cpu_samples),
             "ceiling_gb_per_s": ceilings, "slower_ceiling_gb_per_s": slower,
             "fraction_of_slower_ceiling": result["gb_per_s"] / slower,
@@ -649,12 +676,12 @@ def main() -> None:
                     "cases": [case]})
         return
     others = [p for p in paths if p != "writer"]
-    headers = ["store", "daemon writer", "worlds", "steps/s", "e2e GB/s", "zmq GB/s", "zarr GB/s", "fraction",
+    headers = ["store", "daemon writer", "worlds", "fields", "steps/s", "e2e GB/s", "zmq GB/s", "zarr GB/s", "fraction",
                "writer GB/s", "of writer", *(f"{p} GB/s" for p in others), "stored field GB", "written GB",
                "store GB", "amplif.", "vs store", "peak RSS MB", "byte-equal", "pub CPU ms/step",
                "daemon CPU ms/step", "CPU s/GB e2e", "CPU s/GB writer", "CPU bound of writer",
                "cores busy e2e"]
-    row = [args.store, args.daemon_writer, args.worlds, result["steps_per_s"], result["gb_per_s"],
+    row = [args.store, args.daemon_writer, args.worlds, case["fields"], result["steps_per_s"], result["gb_per_s"],
            ceilings["zmq"]["median"], ceilings["zarr"]["median"],
            case["fraction_of_slower_ceiling"], ceilings["writer"]["median"],
            case["fraction_of_writer_ceiling"], *(ceilings[p]["median"] for p in others),

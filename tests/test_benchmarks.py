@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[1]
 TINY: dict[str, list[str]] = {
     "retention": ["--worlds", "8", "16", "--trials", "2", "--appends", "3"],
     "transport": ["--worlds", "8", "--seconds", "0.5", "--rounds", "2"],
-    "pipeline": ["--worlds", "8", "--seconds", "1", "--trials", "1"],
+    "pipeline": ["--worlds", "8", "--seconds", "1", "--trials", "1", "--scalar-fields", "6"],
     "capture": ["--worlds", "8", "--steps", "5", "--trials", "2"],
     "staging": ["--worlds", "8", "--camera", "4", "--repeats", "2", "--rounds", "1"],
     "read": ["--worlds", "4", "--episodes", "16", "--episode-length", "6", "--trials", "1",
@@ -77,6 +77,7 @@ def test_benchmark_smoke(name: str, tmp_path: Path) -> None:
     if name == "pipeline":
         case = doc["cases"][0]
         assert case["byte_equal"] is True
+        assert case["fields"] == 7 + 6 + 1  # the seed payload's and --scalar-fields' (grouped in the daemon)
         per_gb = case["cpu_seconds_per_gb"]
         assert {"publisher", "daemon", "e2e", "writer", "zarr"} <= set(per_gb)
         assert per_gb["e2e"] == pytest.approx(per_gb["publisher"] + per_gb["daemon"])
