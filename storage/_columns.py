@@ -91,11 +91,31 @@ class Column:
 
     def _read_tail(self) -> None:
         start = self.rows - self.rows % self.chunk
-        self.tail = np.asarray(self.array[start:self.rows]) if self.rows > start else None
+        self.tail = self._kept(np.asarray(self.array[start:self.rows])) if self.rows > start else None
 
     @property
     def capacity(self) -> int:
         return int(self.array.shape[0])
+
+    def _kept(self, rows: np.ndarray, room: np.ndarray | None = None) -> np.ndarray:
+        """``rows`` (a chunk's at most) copied to the start of ``room``, a chunk-sized buffer
+        (new when ``None``), as the view of ``room`` a tail is: later rows of the same chunk are
+        copied in after them (:meth:`_grown`), never the rows already there again."""
+        if room is None:
+            room = np.empty((self.chunk, *rows.shape[1:]), rows.dtype)
+        room[:len(rows)] = rows
+        return room[:len(rows)]
+
+    def _grown(self, tail: np.ndarray, rows: np.ndarray) -> np.ndarray:
+        """The tail ``tail`` followed by ``rows`` (a chunk's at most together): ``rows`` are
+        copied after the tail in its buffer (appends of a few rows each to a large chunk were
+        a copy of the whole tail each: quadratic in the rows per chunk)."""
+        room = tail.base
+        if not (isinstance(room, np.ndarray) and len(room) == self.chunk and room.dtype == tail.dtype
+                and room.flags.c_contiguous and tail.ctypes.data == room.ctypes.data):
+            return self._kept(np.concatenate([tail, rows]))  # (a tail made elsewhere)
+        room[len(tail):len(tail) + len(rows)] = rows
+        return room[:len(tail) + len(rows)]
 
     def _block(self, rows: np.ndarray) -> np.ndarray:
         """``rows`` (fewer than a chunk) zero-padded to a whole chunk."""
@@ -121,16 +141,16 @@ class Column:
             assert tail is not None  # the rows of the partial chunk
             if used + n >= c:  # it fills: its kept rows, then the first new ones
                 pos = c - used
-                writes.append((head, np.concatenate([tail, values[:pos]])))
+                writes.append((head, self._grown(tail, values[:pos])))
                 head, tail = head + c, None
-            else:  # it stays partial
-                tail, pos = np.concatenate([tail, values]), n
+            else:  # it stays partial (rows past the tail's are no one's: a failed write keeps it)
+                tail, pos = self._grown(tail, values), n
         whole = (n - pos) // c * c
         if whole:  # whole chunks: encoded from the caller's rows, no copy
             writes.append((head, values[pos:pos + whole]))
             pos, head = pos + whole, head + whole
         if pos < n:
-            tail = values[pos:].copy()  # the caller reuses its buffer
+            tail = self._kept(values[pos:])  # (a copy: the caller reuses its buffer)
         end = start + n
         if flush and end % c and self.stored < end:
             assert tail is not None
