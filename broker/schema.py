@@ -67,6 +67,19 @@ def _canonical(name: str) -> str | None:
     return str(dtype).removeprefix("torch.") if isinstance(dtype, torch.dtype) else None
 
 
+def _numpy_of(name: str) -> tuple[np.dtype[Any] | None, bool]:
+    """The native numpy dtype an array of canonical dtype ``name`` has, and whether it is a
+    :class:`BFloat16Bits` array (``"bfloat16"``: uint16); ``None`` where numpy has no such
+    dtype (the array's name is then compared)."""
+    if name == "bfloat16":
+        return np.dtype(np.uint16), True
+    try:
+        dtype = np.dtype(name)
+    except TypeError:
+        return None, False
+    return (dtype, False) if dtype.name == name and dtype.isnative else (None, False)
+
+
 def dtype_name(value: Array) -> str:
     """The dtype of ``value`` in torch spelling (``torch.float32`` and numpy ``float32`` are
     both ``"float32"``, a :class:`BFloat16Bits` array is ``"bfloat16"``). A numpy array in a
@@ -148,6 +161,7 @@ class TopicSchema:
     _name_set: frozenset[str] = field(init=False, repr=False, compare=False)
     _expect: tuple[tuple[str, FieldSpec], ...] = field(init=False, repr=False, compare=False)
     _torch: tuple[torch.dtype, ...] | None = field(init=False, repr=False, compare=False)
+    _numpy: tuple[tuple[np.dtype[Any] | None, bool], ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         for name, spec in self.fields.items():
@@ -161,6 +175,7 @@ class TopicSchema:
         object.__setattr__(self, "_name_set", frozenset(names))
         object.__setattr__(self, "_expect", tuple(self.fields.items()))
         object.__setattr__(self, "_torch", None)  # the torch dtypes, on the first tensor checked
+        object.__setattr__(self, "_numpy", tuple(_numpy_of(spec.dtype) for _, spec in self._expect))
 
     def __hash__(self) -> int:
         return hash(tuple(self.fields.items()))
@@ -217,7 +232,9 @@ class TopicSchema:
             if is_tensor(value):
                 same = value.dtype == self._torch_dtypes()[i]
             elif isinstance(value, np.ndarray):
-                same = dtype_name(value) == spec.dtype
+                want, bits = self._numpy[i]  # (numpy's dtype.name is Python code: slow per field)
+                same = value.dtype == want and value.dtype.isnative and isinstance(value, BFloat16Bits) == bits \
+                    if want is not None else dtype_name(value) == spec.dtype
             else:
                 raise _not_an_array(topic, name, value)
             shape = value.shape
