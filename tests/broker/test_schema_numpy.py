@@ -31,11 +31,8 @@ def _arrays() -> list[np.ndarray]:
 def test_numpy_dtypes_are_checked_as_their_names_are(spec_dtype: str) -> None:
     schema = TopicSchema({"x": FieldSpec(spec_dtype, (3,))})
     for array in _arrays():
-        by_name = dtype_name(array) == spec_dtype
-        try:
+        if dtype_name(array) == spec_dtype:
             schema.check({"x": array}, topic="t", rows=2)
-            accepted = True
-        except SchemaError as exc:
-            accepted = False
-            assert "field 'x'" in str(exc)
-        assert accepted == by_name, (spec_dtype, dtype_name(array), type(array).__name__)
+        else:
+            with pytest.raises(SchemaError, match="field 'x': expected"):
+                schema.check({"x": array}, topic="t", rows=2)
