@@ -107,8 +107,15 @@ def _describe(ident: tuple[str, str, int, str | None]) -> str:
     return f"{kind} {topic!r:.80} at step {step}" + (f", {hook}" if hook else "")
 
 
-def as_numpy(t: Any, what: str) -> np.ndarray:
-    """A host numpy view of a message tensor or array (bfloat16 as its 16 bits, see ``LAYOUT.md``).
+def _spelled(what: str | tuple[str, str]) -> str:
+    """What an error names: a string, or ``(topic, field name)`` spelled out (only when an
+    error or a new spec needs it: not for every field of every message)."""
+    return what if isinstance(what, str) else f"topic {what[0]!r} field {what[1]!r}"
+
+
+def as_numpy(t: Any, what: str | tuple[str, str]) -> np.ndarray:
+    """A host numpy view of a message tensor or array (bfloat16 as its 16 bits, see ``LAYOUT.md``);
+    ``what`` names it in errors (see :func:`_spelled`).
 
     Raises:
         RejectedMessage: ``t`` is neither a torch tensor nor a numpy array.
@@ -116,7 +123,7 @@ def as_numpy(t: Any, what: str) -> np.ndarray:
     if isinstance(t, np.ndarray):
         return t.view(np.ndarray) if isinstance(t, BFloat16Bits) else t
     if not is_tensor(t):
-        raise RejectedMessage("type", f"{what}: expected a tensor, got {type(t).__name__}")
+        raise RejectedMessage("type", f"{_spelled(what)}: expected a tensor, got {type(t).__name__}")
     import torch  # (imported already: t is a tensor)
 
     try:
@@ -130,9 +137,9 @@ def as_numpy(t: Any, what: str) -> np.ndarray:
         values: np.ndarray = t.numpy()
         return values
     except TypeError as exc:  # a dtype numpy lacks (float8, complex32, ...)
-        raise RejectedMessage("dtype", f"{what}: dtype {t.dtype} cannot be stored") from exc
+        raise RejectedMessage("dtype", f"{_spelled(what)}: dtype {t.dtype} cannot be stored") from exc
     except (ValueError, RuntimeError) as exc:  # a shape numpy cannot address, a device gone
-        raise RejectedMessage("shape", f"{what}: a tensor of shape {list(t.shape)} cannot be "
+        raise RejectedMessage("shape", f"{_spelled(what)}: a tensor of shape {list(t.shape)} cannot be "
                                        f"read: {exc}") from exc
 
 
@@ -140,9 +147,10 @@ _SPECS: dict[tuple[Any, ...], FieldSpec] = {}
 _SPECS_MAX = 4096  # specs of recently seen fields (a message's fields repeat from step to step)
 
 
-def _spec_of(t: Any, values: np.ndarray, what: str, limit: int) -> FieldSpec:
+def _spec_of(t: Any, values: np.ndarray, what: str | tuple[str, str], limit: int) -> FieldSpec:
     """The per-world spec of ``values``, whose one world's row (every dimension counted as at
-    least 1, so no zero-size dimension hides a huge one) must fit in ``limit`` bytes.
+    least 1, so no zero-size dimension hides a huge one) must fit in ``limit`` bytes; ``what``
+    names the values in errors (see :func:`_spelled`).
 
     Raises:
         RejectedMessage: (``"shape"``) one world's row is larger than ``limit``.
@@ -151,7 +159,7 @@ def _spec_of(t: Any, values: np.ndarray, what: str, limit: int) -> FieldSpec:
     key = (type(t), getattr(t, "dtype", None), values.dtype, values.shape[1:], limit)
     spec = _SPECS.get(key)
     if spec is None:
-        spec = _new_spec(t, values, what, limit)
+        spec = _new_spec(t, values, _spelled(what), limit)
         if len(_SPECS) >= _SPECS_MAX:
             _SPECS.clear()
         _SPECS[key] = spec
@@ -505,14 +513,16 @@ class RunAssembly:
             if not isinstance(msg.fields, Mapping) or not msg.fields:
                 raise RejectedMessage("schema", f"topic {topic!r}: expected a non-empty mapping of "
                                                 f"fields, got {msg.fields!r:.80}")
-            for name, t in msg.fields.items():
-                _name(name, f"topic {topic!r} field name")
-                values = as_numpy(t, f"topic {topic!r} field {name!r}")
-                if values.shape[:1] != (len(worlds),):
+            leading = (len(worlds),)
+            for name, t in msg.fields.items():  # (what errors name is spelled on error only)
+                if not isinstance(name, str) or not name:
+                    _name(name, f"topic {topic!r} field name")
+                values = t if type(t) is np.ndarray else as_numpy(t, (topic, name))
+                if values.shape[:1] != leading:
                     raise RejectedMessage("shape", f"topic {topic!r} field {name!r}: expected a "
                                                    f"leading worlds dimension of {len(worlds)}, got "
                                                    f"{values.shape}")
-                specs[name] = _spec_of(t, values, f"topic {topic!r} field {name!r}", self.budget_bytes)
+                specs[name] = _spec_of(t, values, (topic, name), self.budget_bytes)
                 fields[name] = values
             buf = self._topic(topic.removeprefix("batch/"), specs, msg.fields, len(worlds),
                               dense=len(worlds) == self.num_worlds)

@@ -774,6 +774,23 @@ def test_field_specs_depend_on_the_field_s_own_dtype_and_the_row_limit_not_only_
     assert _spec_of(bits, bits, "u", 6).shape == (3,)
 
 
+def test_a_batch_s_bad_fields_are_named_by_topic_and_field_in_its_rejection() -> None:
+    """The daemon spells a field's topic and name only when it rejects something (not for
+    every field of every message): the rejection still names both."""
+    from storage.assembly import RejectedMessage, _spec_of, as_numpy
+
+    where = ("batch/obs", "joint pos")
+    with pytest.raises(RejectedMessage, match=r"^[a-z]+: topic 'batch/obs' field 'joint pos': expected a tensor, got list"):
+        as_numpy([1.0], where)
+    f8 = getattr(torch, "float8_e4m3fn", None)
+    if f8 is not None:
+        with pytest.raises(RejectedMessage, match=r"^[a-z]+: topic 'batch/obs' field 'joint pos': dtype torch.float8"):
+            as_numpy(torch.zeros(2, 1, dtype=f8), where)
+    wide = np.zeros((2, 7), np.float32)
+    with pytest.raises(RejectedMessage, match=r"^[a-z]+: topic 'batch/obs' field 'joint pos': one world's row of shape \[7\]"):
+        _spec_of(wide, wide, where, 27)
+
+
 def test_a_wide_variation_value_is_chunked_by_the_store_s_chunk_bytes() -> None:
     """Bug: a variation's value table was chunked by 16384 samples whatever one value holds:
     a value of 32,768 float32 numbers a world made a chunk over 2 GiB, which the codecs refuse,
