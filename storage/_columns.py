@@ -97,12 +97,11 @@ class Column:
     def capacity(self) -> int:
         return int(self.array.shape[0])
 
-    def _kept(self, rows: np.ndarray, room: np.ndarray | None = None) -> np.ndarray:
-        """``rows`` (a chunk's at most) copied to the start of ``room``, a chunk-sized buffer
-        (new when ``None``), as the view of ``room`` a tail is: later rows of the same chunk are
-        copied in after them (:meth:`_grown`), never the rows already there again."""
-        if room is None:
-            room = np.empty((self.chunk, *rows.shape[1:]), rows.dtype)
+    def _kept(self, rows: np.ndarray) -> np.ndarray:
+        """``rows`` (a chunk's at most) copied to the start of a new chunk-sized buffer, as the
+        view of it a tail is: later rows of the same chunk are copied in after them
+        (:meth:`_grown`), never the rows already there again."""
+        room = np.empty((self.chunk, *rows.shape[1:]), rows.dtype)
         room[:len(rows)] = rows
         return room[:len(rows)]
 
