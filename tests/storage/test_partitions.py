@@ -23,6 +23,7 @@ from procs import Proc
 from storage_sim import Sim
 from store_checks import Spans, check_store, replay
 from test_conformance import make_backend, s3_endpoint  # noqa: F401 (the fixture)
+from waiting import wait_until
 
 from broker import Broker
 from storage import Partition, RunStore, RunStoreWriter, StoreDaemon, StoreLease, StoreLock, StoreLockedError
@@ -120,6 +121,10 @@ def test_three_partitioned_daemons_store_every_run_once_and_a_killed_one_resumes
     for pub in pubs:
         pub.wait_line("gate", stream="out", timeout=60)
     _wait_stored(daemons[1], 1)
+    # and it has admitted both its runs (the proxy may forward one publisher's backlog before
+    # the other's first message: "stored 1" alone let it be killed before it saw its second run)
+    mine = {run for run, p in parts.items() if p == 1}
+    wait_until(lambda: _started_runs(daemons[1]) == mine, f"daemon 1/3 to admit {sorted(mine)}", timeout=60)
     daemons[1].popen.send_signal(signal.SIGKILL)  # in the middle of its runs: no goodbye
     assert daemons[1].wait(30) == -signal.SIGKILL
     restarted = daemon(1)
