@@ -177,12 +177,6 @@ def _new_spec(t: Any, values: np.ndarray, what: str, limit: int) -> FieldSpec:
     return FieldSpec(dtype, shape)
 
 
-def _name(value: Any, what: str) -> str:
-    if not isinstance(value, str) or not value:
-        raise RejectedMessage("name", f"{what}: expected a non-empty str, got {value!r:.80}")
-    return value
-
-
 def _plain(value: Any, depth: int = 0) -> Any:
     """``value`` with mappings as dicts, tuples as lists and numpy scalars as Python ones."""
     if depth > 64:
@@ -516,8 +510,9 @@ class RunAssembly:
             leading = (len(worlds),)
             for name, t in msg.fields.items():  # (what errors name is spelled on error only)
                 if not isinstance(name, str) or not name:
-                    _name(name, f"topic {topic!r} field name")
-                values = t if type(t) is np.ndarray else as_numpy(t, (topic, name))
+                    raise RejectedMessage("name", f"topic {topic!r} field name: expected a non-empty str, "
+                                                  f"got {name!r:.80}")
+                values = as_numpy(t, (topic, name))
                 if values.shape[:1] != leading:
                     raise RejectedMessage("shape", f"topic {topic!r} field {name!r}: expected a "
                                                    f"leading worlds dimension of {len(worlds)}, got "

@@ -111,11 +111,6 @@ class RowBlock:
     steps: np.ndarray
     hooks: np.ndarray
 
-    @property
-    def fields(self) -> dict[str, np.ndarray]:
-        """Field name -> ``[rows, *shape]`` (views of :attr:`groups`)."""
-        return self.layout.views(self.groups)
-
     def columns(self) -> dict[str, np.ndarray]:
         """Field name -> its rows as one contiguous array: a field alone in its group is a
         view; a group of several is turned into columns :data:`TRANSPOSE_ROWS` records at a time

@@ -791,6 +791,24 @@ def test_a_batch_s_bad_fields_are_named_by_topic_and_field_in_its_rejection() ->
         _spec_of(wide, wide, where, 27)
 
 
+def test_a_batch_field_without_a_name_is_a_rejection_naming_its_topic(caplog: pytest.LogCaptureFixture) -> None:
+    """A batch field named ``""`` is rejected (reason ``name``), the log naming its topic, and
+    the run goes on."""
+    daemon = StoreDaemon(zarr.storage.MemoryStore(), commit_interval=0.0)
+    broker = Broker()
+    broker.subscribe("", daemon)
+    sim = Sim(broker, 3, reset_p=0.0)
+    sim.step(2)
+    with caplog.at_level("WARNING", logger="storage"):
+        daemon.handle(Batch("run-a", sim.rec.next_seq(), 2, "batch/obs", torch.arange(3),
+                            torch.zeros(3, dtype=torch.int64), {"": torch.zeros(3)}))
+    assert "topic 'batch/obs' field name: expected a non-empty str, got ''" in caplog.text
+    sim.step(1, force_reset=[0, 1, 2])
+    sim.close()
+    daemon.close()
+    assert dict(daemon.statistics().rejected) == {"name": 1}
+
+
 def test_a_wide_variation_value_is_chunked_by_the_store_s_chunk_bytes() -> None:
     """Bug: a variation's value table was chunked by 16384 samples whatever one value holds:
     a value of 32,768 float32 numbers a world made a chunk over 2 GiB, which the codecs refuse,
