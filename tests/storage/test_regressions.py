@@ -760,7 +760,7 @@ def test_field_specs_depend_on_the_field_s_own_dtype_and_the_row_limit_not_only_
     and memory share): a bfloat16 field read as its 16 bits, its uint16 twin, a torch tensor and
     a share too small for a row each get their own answer, whatever was asked before."""
     from broker import BFloat16Bits
-    from storage.assembly import RejectedMessage, _spec_of
+    from storage._message_values import RejectedMessage, _spec_of
 
     bits = np.zeros((4, 3), np.uint16)
     assert _spec_of(bits, bits, "u", 1 << 20).dtype == "uint16"
@@ -777,7 +777,7 @@ def test_field_specs_depend_on_the_field_s_own_dtype_and_the_row_limit_not_only_
 def test_a_batch_s_bad_fields_are_named_by_topic_and_field_in_its_rejection() -> None:
     """The daemon spells a field's topic and name only when it rejects something (not for
     every field of every message): the rejection still names both."""
-    from storage.assembly import RejectedMessage, _spec_of, as_numpy
+    from storage._message_values import RejectedMessage, _spec_of, as_numpy
 
     where = ("batch/obs", "joint pos")
     with pytest.raises(RejectedMessage, match=r"^[a-z]+: topic 'batch/obs' field 'joint pos': expected a tensor, got list"):
