@@ -153,6 +153,10 @@ def _recv_worldtap(endpoint: str, conn: Connection) -> dict[str, Any]:
     threads: dict[str, float] = {}
     by_thread: dict[str, float] = {}
     for item in sub:
+        if count and not streamed and (isinstance(item, RunEnd) or getattr(item, "topic", "") != "batch/seed"):
+            # the seed stream has ended: read the CPU clocks once (a reading per message would
+            # add a system call per message to worldtap's side only)
+            streamed, by_thread = cpu_seconds(), _thread_us(threads, thread_cpu(), count - 1)
         if isinstance(item, RunEnd):
             expected = int(item.metadata["batches"])
             break
@@ -160,8 +164,6 @@ def _recv_worldtap(endpoint: str, conn: Connection) -> dict[str, Any]:
             gaps += 1 if type(item).__name__ == "Gap" else 0
             continue
         seqs.add(item.seq)
-        if item.topic != "batch/seed" and count and not by_thread:  # the seed stream has ended
-            by_thread = _thread_us(threads, thread_cpu(), count - 1)
         if item.topic == "batch/verify":
             sums[item.seq] = checksum(_tensors(item))
         elif item.topic == "batch/seed":
@@ -170,8 +172,6 @@ def _recv_worldtap(endpoint: str, conn: Connection) -> dict[str, Any]:
                 first = last
                 cpu = cpu_seconds()
                 threads = thread_cpu()
-            else:
-                streamed = cpu_seconds()  # at the last seed batch: what follows is no streaming
             count += 1
             nbytes += sum(t.numel() * t.element_size() for t in _tensors(item))
     stats_ = sub.statistics()
