@@ -11,7 +11,7 @@ import re
 from collections.abc import Callable
 from typing import NoReturn
 
-__all__ = ["OneLineParser", "check_endpoint", "parse_size", "positive_int", "seconds"]
+__all__ = ["OneLineParser", "add_malloc_argument", "check_endpoint", "parse_size", "positive_int", "seconds"]
 
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6,
           "mib": 2**20, "g": 10**9, "gb": 10**9, "gib": 2**30}
@@ -80,3 +80,13 @@ def check_endpoint(text: str) -> str:
     if port != "*" and not (port.isdigit() and 1 <= int(port) <= 65535):
         raise argparse.ArgumentTypeError(f"{text!r}: the port must be 1-65535 or *, got {port!r}")
     return text
+
+
+def add_malloc_argument(p: argparse.ArgumentParser) -> None:
+    """``--malloc {keep,system}``, for a command that receives large messages (see
+    :mod:`broker.allocator`); apply it with :func:`broker.allocator.apply_malloc_choice`."""
+    p.add_argument("--malloc", choices=("keep", "system"), default="keep",
+                   help="keep (default): keep up to 64 MiB of freed memory per heap for the next "
+                        "messages, where glibc's malloc would return it to the system at nearly "
+                        "every message and fault it in again; system: glibc's own defaults (and "
+                        "any MALLOC_* or GLIBC_TUNABLES setting always wins)")

@@ -59,6 +59,7 @@ from typing import Any, Final
 
 import zmq
 
+from .allocator import apply_malloc_choice
 from .errors import (
     BrokerClosedError,
     BrokerError,
@@ -424,7 +425,7 @@ class Proxy:
 def build_parser() -> argparse.ArgumentParser:
     """The parser of ``worldtap-proxy``."""
     # Options are validated as worldtap-store validates its own.
-    from .cli_args import OneLineParser, check_endpoint, positive_int, seconds
+    from .cli_args import OneLineParser, add_malloc_argument, check_endpoint, positive_int, seconds
 
     p = OneLineParser(
         prog="worldtap-proxy",
@@ -451,6 +452,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "ping every second)")
     p.add_argument("--status-interval", type=seconds(zero=False), default=10.0, metavar="SECONDS",
                    help="seconds between status lines (default 10)")
+    add_malloc_argument(p)
     p.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
     return p
 
@@ -494,6 +496,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("--curve-keys goes with --curve-publishers and/or --curve-subscribers")
     logging.basicConfig(level=args.log_level, stream=sys.stderr,
                         format="%(asctime)s worldtap-proxy %(levelname)s %(message)s")
+    apply_malloc_choice(args.malloc, "worldtap-proxy")
     try:
         front_curve, back_curve = _curves(args)
     except SecurityError as exc:

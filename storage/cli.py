@@ -37,7 +37,8 @@ from contextlib import ExitStack, contextmanager
 from types import FrameType
 from typing import Any
 
-from broker.cli_args import OneLineParser, check_endpoint, parse_size, positive_int, seconds
+from broker.allocator import apply_malloc_choice
+from broker.cli_args import OneLineParser, add_malloc_argument, check_endpoint, parse_size, positive_int, seconds
 
 from ._format import ALL_RUNS, Partition
 from .daemon import StoreDaemon
@@ -150,6 +151,7 @@ def _serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="store only the runs of partition K of N (0 <= K < N; a hash of the run "
                         "id): N daemons, one per partition, write one store together "
                         "(default 0/1: every run)")
+    add_malloc_argument(p)
     p.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
 
 
@@ -226,6 +228,7 @@ def _serve(args: argparse.Namespace, stop: threading.Event) -> int:
     # The receiving thread releases the GIL for every large copy; with Python's default 5 ms
     # switch interval, taking it back from the writer's threads costs up to 5 ms each time.
     sys.setswitchinterval(0.001)
+    apply_malloc_choice(args.malloc, "worldtap-store")
     for location in (args.store, args.failed_store):
         if str(location).startswith("memory://"):
             _log.warning("store %r is held in this process's memory: it vanishes when the daemon "

@@ -40,6 +40,7 @@ from broker import (
     Subscriber,
     ZmqPublisher,
 )
+from broker.allocator import malloc_is_glibc
 from broker.proxy import Proxy, main
 from broker.zmq_publisher import hello_subscription
 from storage import RunStore
@@ -410,6 +411,8 @@ def _stop(proxy: Proc) -> None:
     proxy.popen.send_signal(signal.SIGTERM)
     assert proxy.wait(30) == 0, proxy.stderr[-3000:]
     assert "worldtap-proxy done: frames_in=" in proxy.stderr
+    # --malloc keep, the default, made glibc keep freed memory (see broker.allocator)
+    assert ("malloc keeps up to 64 MiB" in proxy.stderr) == malloc_is_glibc(), proxy.stderr[-3000:]
 
 
 def test_three_publisher_processes_through_the_proxy_into_one_daemon(

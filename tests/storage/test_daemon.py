@@ -16,6 +16,7 @@ import zmq
 from procs import ENV, Proc
 from storage_sim import assert_episode_equal, expected_sim
 
+from broker.allocator import malloc_is_glibc
 from broker.wire import SUBSCRIBER_HELLO
 from storage import RunStore
 
@@ -63,6 +64,8 @@ def test_cli_round_trip_and_info_through_entry_point(spawn: object, tmp_path: Pa
     assert proc.wait() == 0, proc.stderr
     assert pub.wait() == 0
     assert "worldtap-store done: episodes=" in proc.stderr
+    # --malloc keep, the default, made glibc keep freed memory (see broker.allocator)
+    assert ("malloc keeps up to 64 MiB" in proc.stderr) == malloc_is_glibc(), proc.stderr
     reader = check_store(store, seed=0, steps=150)
     n = len(reader.episodes("run-a"))
     assert n == len(expected_sim(0, 150, 6).outcome)
@@ -121,8 +124,9 @@ def test_kill_9_then_resume(spawn: object, tmp_path: Path, seed: int) -> None:
 def test_sigterm_commits_and_exits_0(spawn: object, tmp_path: Path) -> None:
     _, ep = publisher(spawn, "--steps", "300", "--delay", "0.005")
     store = tmp_path / "runs.zarr"
-    proc = daemon(spawn, store, "--connect", ep, "--commit-interval", "5")
+    proc = daemon(spawn, store, "--connect", ep, "--commit-interval", "5", "--malloc", "system")
     proc.wait_line("run 'run-a': started")
+    assert "malloc keeps" not in proc.stderr  # glibc's defaults, as asked
     _wait_status(proc, count=4)  # four status reports into the run (the interval never elapses)
     proc.popen.send_signal(signal.SIGTERM)
     assert proc.wait() == 0, proc.stderr
