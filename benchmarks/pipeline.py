@@ -47,6 +47,12 @@ on it with the zarrs pipeline (default: the daemon's own choice, its chunk threa
 ``--scalar-fields N``: the payload gains N float32 scalar fields and N/6 bool ones (a term
 of many narrow columns, each its own array: the daemon's per-field and per-chunk-file work).
 
+``--malloc keep|system``: the daemon's allocator setting (``worldtap-store --malloc``, default
+``keep``: freed memory kept for the next messages, see ``broker.allocator``); this process,
+which measures the receiving and storage-only ceilings, takes the same setting, so the
+ratios compare like with like. The publishers keep glibc's defaults (a simulation's process
+is its own).
+
 ``--store s3``: the same pipeline into an S3 API on loopback (moto in server mode, started
 here; needs ``moto[server]`` and s3fs), with the same byte-for-byte check of every row read
 back from S3; the amplification is not measured there (the bytes go out on a socket).
@@ -68,6 +74,8 @@ from typing import Any
 
 import numpy as np
 import torch
+
+from broker.allocator import apply_malloc_choice
 
 from ._payload import make_payload, payload_bytes
 from ._timing import base_parser, machine, print_json, stats, table, versions
@@ -311,7 +319,8 @@ def _daemon(args: Any) -> int:
 def _daemon_command(args: Any, store: str, endpoint: str, runs: int, io_file: Path) -> list[str]:
     daemon_args = [store, "--connect", endpoint, "--exit-after-runs", str(runs),
                    "--memory-budget", str(args.memory_budget), "--compression", args.compression,
-                   "--chunk-size", str(args.chunk_size), "--status-interval", "5", "--log-level", "WARNING"]
+                   "--chunk-size", str(args.chunk_size), "--status-interval", "5", "--log-level", "WARNING",
+                   "--malloc", args.malloc]
     return [sys.executable, "-m", "benchmarks.pipeline", "--role", "daemon", "--ends", str(io_file),
             "--daemon-writer", args.daemon_writer, "--daemon-args", json.dumps(daemon_args)]
 
@@ -363,13 +372,14 @@ def _written(io_file: Path, store: str, received: int, rows: int, worlds: int) -
             "amplification": None if written is None or not field_bytes else written / field_bytes,
             "amplification_vs_store": None if written is None else written / stored}
 
-def _cpu_seconds(pid: int) -> float | None:
-    """CPU time (user and system, every thread) of process ``pid`` so far, or ``None`` once it is gone."""
+def _cpu_and_faults(pid: int) -> tuple[float, int] | None:
+    """CPU time (user and system, every thread) and minor page faults of process ``pid`` so
+    far, or ``None`` once it is gone."""
     try:
         fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     except (OSError, IndexError):
         return None
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK"), int(fields[7])  # utime, stime; minflt
 
 
 def _vm_hwm(pid: int) -> int:
@@ -396,10 +406,10 @@ def _pipeline(args: Any, root: Path, store: str) -> dict[str, Any]:
         endpoint = pub.stdout.readline().strip()
         daemon = subprocess.Popen(_daemon_command(args, store, endpoint, 1, io_file),
                                   stderr=subprocess.PIPE, text=True, env=env)
-        peak, daemon_cpu = 0, 0.0
+        peak, daemon_cpu, daemon_faults = 0, 0.0, 0
         while daemon.poll() is None:
             peak = max(peak, _vm_hwm(daemon.pid))
-            daemon_cpu = _cpu_seconds(daemon.pid) or daemon_cpu  # the last reading before it exits
+            daemon_cpu, daemon_faults = _cpu_and_faults(daemon.pid) or (daemon_cpu, daemon_faults)  # the last reading
             time.sleep(0.1)
         t_stored = time.time()
         assert daemon.stderr is not None
@@ -423,6 +433,10 @@ def _pipeline(args: Any, root: Path, store: str) -> dict[str, Any]:
             # publishes, and the daemon process over its whole life (start-up included)
             "publisher_cpu_ms_per_step": 1e3 * summary["cpu_seconds"] / max(summary["steps"], 1),
             "daemon_cpu_ms_per_step": 1e3 * daemon_cpu / max(summary["steps"], 1),
+            # pages the daemon faulted in over its life (start-up included), per step: an
+            # allocator returning freed memory to the system and faulting it in again shows
+            # here (see --malloc)
+            "daemon_page_faults_per_step": daemon_faults / max(summary["steps"], 1),
             "publisher_cpu_seconds": summary["cpu_seconds"], "daemon_cpu_seconds": daemon_cpu,
             "daemon_peak_rss_bytes": peak, "daemon_log_tail": daemon_log[-500:], **check,
             **_written(io_file, store, summary["bytes"], check["rows_checked"], args.worlds)}
@@ -611,6 +625,8 @@ def main() -> None:
     parser.add_argument("--daemon-writer", default="default", choices=("default", "public", "zarrs"),
                         help="the daemon's chunk path: its own choice, zarr's public API, or that "
                              "with the zarrs codec pipeline (pip install zarrs)")
+    parser.add_argument("--malloc", default="keep", choices=("keep", "system"),
+                        help="the daemon's --malloc, and this process's for the ceilings (see above)")
     args = parser.parse_args()
     global SCALARS
     if args.scalar_fields < 0:
@@ -628,6 +644,7 @@ def main() -> None:
         return _zmq_sender(args)
     if args.role == "daemon":
         sys.exit(_daemon(args))
+    apply_malloc_choice(args.malloc, "benchmarks.pipeline")  # as the daemon does (see above)
     root = Path(tempfile.mkdtemp(prefix="worldtap-pipeline-", dir=args.dir))
     server = _s3_endpoint(root) if args.store == "s3" else None
     store = "s3://worldtap-bench/bench.zarr" if server is not None else str(root / "bench.zarr")
@@ -665,7 +682,7 @@ def main() -> None:
     one = _pool(1)  # (the payload's fields, one world)
     case = {"worlds": args.worlds, "seconds": args.seconds, "store": args.store,
             "fields": len(one), "row_bytes": _row_bytes(one),
-            "daemon_writer": args.daemon_writer, **result, **_cpu(result, cpu_samples),
+            "daemon_writer": args.daemon_writer, "malloc": args.malloc, **result, **_cpu(result, cpu_samples),
             "ceiling_gb_per_s": ceilings, "slower_ceiling_gb_per_s": slower,
             "fraction_of_slower_ceiling": result["gb_per_s"] / slower,
             "fraction_of_writer_ceiling": result["gb_per_s"] / ceilings["writer"]["median"],
@@ -680,7 +697,7 @@ def main() -> None:
     headers = ["store", "daemon writer", "worlds", "fields", "steps/s", "e2e GB/s", "zmq GB/s", "zarr GB/s", "fraction",
                "writer GB/s", "of writer", *(f"{p} GB/s" for p in others), "stored field GB", "written GB",
                "store GB", "amplif.", "vs store", "peak RSS MB", "byte-equal", "pub CPU ms/step",
-               "daemon CPU ms/step", "CPU s/GB e2e", "CPU s/GB writer", "CPU bound of writer",
+               "daemon CPU ms/step", "daemon faults/step", "CPU s/GB e2e", "CPU s/GB writer", "CPU bound of writer",
                "cores busy e2e"]
     row = [args.store, args.daemon_writer, args.worlds, case["fields"], result["steps_per_s"], result["gb_per_s"],
            ceilings["zmq"]["median"], ceilings["zarr"]["median"],
@@ -691,6 +708,7 @@ def main() -> None:
            "-" if result["amplification_vs_store"] is None else result["amplification_vs_store"],
            result["daemon_peak_rss_bytes"] / 1e6, result["byte_equal"],
            result.get("publisher_cpu_ms_per_step", "-"), result.get("daemon_cpu_ms_per_step", "-"),
+           result.get("daemon_page_faults_per_step", "-"),
            case.get("cpu_seconds_per_gb", {}).get("e2e", "-"), case.get("cpu_seconds_per_gb", {}).get("writer", "-"),
            case.get("cpu_bound_of_writer_ceiling", "-"), case.get("e2e_cores_busy", "-")]
     if args.publishers is not None:

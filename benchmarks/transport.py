@@ -21,7 +21,9 @@ Budgets: >= 0.8 of raw throughput at 4096 worlds and >= 0.7 at 256 (every transp
 <= 2x memcpy at 4096 worlds. The copy floor's own share of raw (``copy_floor_of_raw``) says how
 much of a budget the copy alone takes on the machine at hand, and ``cpu_bound_of_raw`` (raw's
 CPU per message over worldtap's, both processes) the ratio worldtap can reach where the cores
-are the limit.
+are the limit. ``--malloc`` (default ``keep``) is the receiving process's allocator setting,
+the same for raw and worldtap (see ``broker.allocator``); the publishing process keeps
+glibc's defaults.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ import zmq
 
 from benchmarks._timing import base_parser, machine, paired_trials, print_json, stats, table, versions
 from broker import Batch, Broker, RunEnd, RunStart, Subscriber, ZmqPublisher
+from broker.allocator import apply_malloc_choice
 
 WIDTHS = {"state": 37, "next_state": 37, "control": 19, "contacts": 72}
 FLAGS = ("terminated", "truncated", "valid")
@@ -182,8 +185,9 @@ def _recv_worldtap(endpoint: str, conn: Connection) -> dict[str, Any]:
             "threads_us": by_thread}
 
 
-def _worker(conn: Connection) -> None:
+def _worker(conn: Connection, malloc: str) -> None:
     torch.set_num_threads(1)
+    apply_malloc_choice(malloc, "benchmarks.transport receiver")  # both sides see the same allocator
     while (cmd := conn.recv()) is not None:
         kind, endpoint = cmd
         conn.send((_recv_raw if kind == "raw" else _recv_worldtap)(endpoint, conn))
@@ -305,6 +309,9 @@ def main(argv: list[str] | None = None) -> None:
                         help="alternating raw/worldtap rounds per case (ratio: median over rounds)")
     parser.add_argument("--slots", type=int, default=8, help="ZmqPublisher staging slots")
     parser.add_argument("--hwm", type=int, default=64, help="ZmqPublisher send high-water mark")
+    parser.add_argument("--malloc", default="keep", choices=("keep", "system"),
+                        help="the receiving process's allocator setting, for raw and worldtap "
+                             "alike (default keep, as worldtap-store's --malloc; see broker.allocator)")
     args = parser.parse_args(argv)
     if torch.device(args.device).type != "cpu":
         parser.error("--device: transport publishes host tensors (it measures the wire); "
@@ -313,7 +320,7 @@ def main(argv: list[str] | None = None) -> None:
     trials = args.trials or max(5, int(args.seconds * 10))
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
-    worker = ctx.Process(target=_worker, args=(child,), daemon=True)
+    worker = ctx.Process(target=_worker, args=(child, args.malloc), daemon=True)
     worker.start()
     rows, samples = [], []
     try:
@@ -360,7 +367,7 @@ def main(argv: list[str] | None = None) -> None:
     publish_ms = {f"{s['transport']}/{s['worlds']}": s["publish_ms"] for s in samples}
     cpu_bounds = {f"{s['transport']}/{s['worlds']}": s["cpu_bound_of_raw"] for s in samples}
     if args.json:
-        print_json({"benchmark": "transport", "seconds": args.seconds, "trials": trials,
+        print_json({"benchmark": "transport", "seconds": args.seconds, "trials": trials, "malloc": args.malloc,
                     "ratios": ratios, "copy_floor_ratios": floor_ratios, "cpu_bounds_of_raw": cpu_bounds,
                     "publish_ms": publish_ms,
                     "cases": samples, "budgets": budgets, "machine": machine(), "versions": versions()})

@@ -72,6 +72,7 @@ def test_benchmark_smoke(name: str, tmp_path: Path) -> None:
             if sys.platform == "linux":  # per-thread times come from /proc: the busy threads show
                 assert threads["worldtap"]["publisher"]["main"] > 0
                 assert threads["worldtap"]["receiver"]["main"] > 0
+        assert doc["malloc"] == "keep"  # the receiver's allocator setting, as worldtap-store's default
         assert set(doc["copy_floor_ratios"]) == set(doc["cpu_bounds_of_raw"]) == set(doc["ratios"])
         assert all(case["cpu_bound_of_raw"] > 0 for case in doc["cases"])
     if name == "pipeline":
@@ -85,8 +86,10 @@ def test_benchmark_smoke(name: str, tmp_path: Path) -> None:
         assert per_gb["publisher"] > 0
         if sys.platform == "linux":  # the daemon's CPU comes from /proc
             assert per_gb["daemon"] > 0
+            assert case["daemon_page_faults_per_step"] > 0  # its start-up alone faults pages in
             assert 0 < case["cpu_bound_of_writer_ceiling"] == pytest.approx(per_gb["writer"] / per_gb["e2e"])
             assert case["e2e_cores_busy"] > 0
+        assert case["malloc"] == "keep"
     if name == "read":
         case = doc["cases"][0]
         assert case["byte_equal"] is True
