@@ -644,7 +644,7 @@ def main() -> None:
         return _zmq_sender(args)
     if args.role == "daemon":
         sys.exit(_daemon(args))
-    apply_malloc_choice(args.malloc, "benchmarks.pipeline")  # as the daemon does (see above)
+    apply_malloc_choice(args.malloc)  # as the daemon does (see above)
     root = Path(tempfile.mkdtemp(prefix="worldtap-pipeline-", dir=args.dir))
     server = _s3_endpoint(root) if args.store == "s3" else None
     store = "s3://worldtap-bench/bench.zarr" if server is not None else str(root / "bench.zarr")

@@ -187,7 +187,7 @@ def _recv_worldtap(endpoint: str, conn: Connection) -> dict[str, Any]:
 
 def _worker(conn: Connection, malloc: str) -> None:
     torch.set_num_threads(1)
-    apply_malloc_choice(malloc, "benchmarks.transport receiver")  # both sides see the same allocator
+    apply_malloc_choice(malloc)  # both sides see the same allocator
     while (cmd := conn.recv()) is not None:
         kind, endpoint = cmd
         conn.send((_recv_raw if kind == "raw" else _recv_worldtap)(endpoint, conn))

@@ -13,8 +13,8 @@ about twice the CPU per message with glibc's adaptive defaults.
 come from the heap, and up to ``keep`` bytes of free memory at the top of each heap stay
 mapped for the next allocations. The cost is resident memory: up to ``keep`` bytes per malloc
 arena that a burst freed (glibc makes up to eight arenas per core, one per thread that
-allocates concurrently). ``worldtap-store`` and ``worldtap-proxy`` call it at start (``--malloc
-system`` keeps glibc's defaults); a process of your own that subscribes to large messages may
+allocates concurrently). ``worldtap-store`` and ``worldtap-proxy`` call it at start and say ``malloc=keep`` in their
+ready line (``--malloc system`` keeps glibc's defaults); a process of your own that subscribes to large messages may
 call it too. It is process-wide, so it is never called on import or by :class:`~broker.Subscriber`.
 """
 
@@ -88,24 +88,19 @@ def keep_freed_memory(keep: int = KEEP_FREED_BYTES) -> bool:
     # mallopt returns 1 on success, 0 on error
     done = bool(mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and bool(mallopt(_M_TRIM_THRESHOLD, keep))
     if not done:
-        _log.warning("keep_freed_memory: glibc refused mallopt; its defaults stay")
+        _log.debug("keep_freed_memory: glibc refused mallopt; its defaults stay")
     return done
 
 
-def apply_malloc_choice(choice: str, command: str) -> bool:
+def apply_malloc_choice(choice: str) -> str:
     """Apply a command's ``--malloc`` choice (:func:`broker.cli_args.add_malloc_argument`):
-    ``"keep"`` calls :func:`keep_freed_memory` and logs what it did, ``"system"`` changes
-    nothing. Returns whether the settings were made.
+    ``"keep"`` calls :func:`keep_freed_memory`, ``"system"`` changes nothing. Returns the
+    setting in effect, for the command's ready line: ``"keep"`` where the settings were made,
+    else ``"system"`` (glibc's defaults, or another allocator, or the environment's settings).
 
     Raises:
         ValueError: ``choice`` is neither ``"keep"`` nor ``"system"``.
     """
     if choice not in ("keep", "system"):
         raise ValueError(f"--malloc: expected 'keep' or 'system', got {choice!r}")
-    if choice == "system":
-        return False
-    done = keep_freed_memory()
-    if done:
-        _log.info("%s: malloc keeps up to %d MiB of freed memory per heap for the next messages "
-                  "(--malloc system: glibc's defaults)", command, KEEP_FREED_BYTES >> 20)
-    return done
+    return "keep" if choice == "keep" and keep_freed_memory() else "system"

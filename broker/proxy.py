@@ -496,7 +496,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("--curve-keys goes with --curve-publishers and/or --curve-subscribers")
     logging.basicConfig(level=args.log_level, stream=sys.stderr,
                         format="%(asctime)s worldtap-proxy %(levelname)s %(message)s")
-    apply_malloc_choice(args.malloc, "worldtap-proxy")
+    malloc = apply_malloc_choice(args.malloc)  # said in the ready line; stderr stays one line on errors
     try:
         front_curve, back_curve = _curves(args)
     except SecurityError as exc:
@@ -518,16 +518,16 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     previous = {s: signal.signal(s, _on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        return _serve(proxy, stop, args.status_interval)
+        return _serve(proxy, stop, args.status_interval, malloc)
     finally:
         proxy.close()
         for s, handler in previous.items():
             signal.signal(s, handler)
 
 
-def _serve(proxy: Proxy, stop: threading.Event, interval: float) -> int:
+def _serve(proxy: Proxy, stop: threading.Event, interval: float, malloc: str) -> int:
     print(f"worldtap-proxy ready: frontend={','.join(proxy.frontend_endpoints)} "
-          f"backend={','.join(proxy.backend_endpoints)}", file=sys.stderr, flush=True)
+          f"backend={','.join(proxy.backend_endpoints)} malloc={malloc}", file=sys.stderr, flush=True)
     last: ProxyStatistics | None = None
     since = time.monotonic()
     while not stop.wait(interval):

@@ -228,7 +228,7 @@ def _serve(args: argparse.Namespace, stop: threading.Event) -> int:
     # The receiving thread releases the GIL for every large copy; with Python's default 5 ms
     # switch interval, taking it back from the writer's threads costs up to 5 ms each time.
     sys.setswitchinterval(0.001)
-    apply_malloc_choice(args.malloc, "worldtap-store")
+    malloc = apply_malloc_choice(args.malloc)  # said in the ready line; stderr stays one line on errors
     for location in (args.store, args.failed_store):
         if str(location).startswith("memory://"):
             _log.warning("store %r is held in this process's memory: it vanishes when the daemon "
@@ -287,7 +287,7 @@ def _serve(args: argparse.Namespace, stop: threading.Event) -> int:
         part = "" if args.partition.whole else f" partition={args.partition}"
         print(f"worldtap-store ready: store={args.store!r}{part} export={args.export} "
               f"{'bind' if bind else 'connect'}={','.join(endpoints)}"
-              f"{'' if server is None else f' status={server.endpoint}'}", file=sys.stderr,
+              f"{'' if server is None else f' status={server.endpoint}'} malloc={malloc}", file=sys.stderr,
               flush=True)
         while not stop.is_set():
             if any(lease.lost.is_set() for lease in leases):

@@ -78,10 +78,14 @@ def test_a_keep_out_of_range_is_refused(keep: int) -> None:
 
 def test_the_command_line_choice(monkeypatch: pytest.MonkeyPatch) -> None:
     calls: list[int] = []
-    monkeypatch.setattr(allocator, "keep_freed_memory", lambda keep=KEEP_FREED_BYTES: calls.append(keep) or True)
-    assert apply_malloc_choice("system", "worldtap-store") is False
+    made = True
+    monkeypatch.setattr(allocator, "keep_freed_memory",
+                        lambda keep=KEEP_FREED_BYTES: calls.append(keep) or made)
+    assert apply_malloc_choice("system") == "system"
     assert calls == []
-    assert apply_malloc_choice("keep", "worldtap-store") is True
+    assert apply_malloc_choice("keep") == "keep"
     assert calls == [KEEP_FREED_BYTES]
+    made = False  # not glibc, or the environment's settings stand: the ready line says so
+    assert apply_malloc_choice("keep") == "system"
     with pytest.raises(ValueError, match="--malloc: expected 'keep' or 'system', got 'fast'"):
-        apply_malloc_choice("fast", "worldtap-store")
+        apply_malloc_choice("fast")
