@@ -6,16 +6,17 @@ system once it exceeds a trim threshold, which it adapts to twice the largest bl
 far. With several messages in flight, the freed top passes that threshold at nearly every
 message, so every page of the next message's buffer is faulted in again (and every free is an
 ``madvise`` or ``brk`` call). On small or virtualized machines that costs more than the
-decoding: receiving the transport benchmark's 2.8 MB messages, the receiving process spent
-about twice the CPU per message with glibc's adaptive defaults.
+decoding: receiving the transport benchmark's 2.8 MB messages over tcp, the receiving process
+spent 1.6-1.9 times the CPU per message with glibc's adaptive defaults.
 
 :func:`keep_freed_memory` fixes both of glibc's thresholds (``mallopt``): blocks under 32 MiB
 come from the heap, and up to ``keep`` bytes of free memory at the top of each heap stay
 mapped for the next allocations. The cost is resident memory: up to ``keep`` bytes per malloc
 arena that a burst freed (glibc makes up to eight arenas per core, one per thread that
-allocates concurrently). ``worldtap-store`` and ``worldtap-proxy`` call it at start and say ``malloc=keep`` in their
-ready line (``--malloc system`` keeps glibc's defaults); a process of your own that subscribes to large messages may
-call it too. It is process-wide, so it is never called on import or by :class:`~broker.Subscriber`.
+allocates concurrently). ``worldtap-store`` and ``worldtap-proxy`` call it at start and say
+``malloc=keep`` in their ready line (``--malloc system`` keeps glibc's defaults); a process of
+your own that subscribes to large messages may call it too. It is process-wide, so it is never
+called on import or by :class:`~broker.Subscriber`.
 """
 
 from __future__ import annotations
