@@ -7,7 +7,7 @@ far. With several messages in flight, the freed top passes that threshold at nea
 message, so every page of the next message's buffer is faulted in again (and every free is an
 ``madvise`` or ``brk`` call). On small or virtualized machines that costs more than the
 decoding: receiving the transport benchmark's 2.8 MB messages over tcp, the receiving process
-spent 1.6-1.9 times the CPU per message with glibc's adaptive defaults.
+spent 1.6-1.7 times the CPU per message with glibc's adaptive defaults.
 
 :func:`keep_freed_memory` fixes both of glibc's thresholds (``mallopt``): blocks under 32 MiB
 come from the heap, and up to ``keep`` bytes of free memory at the top of each heap stay
