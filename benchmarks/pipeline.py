@@ -76,6 +76,7 @@ import numpy as np
 import torch
 
 from broker.allocator import apply_malloc_choice
+from broker.cli_args import add_malloc_argument
 
 from ._payload import make_payload, payload_bytes
 from ._timing import base_parser, machine, print_json, stats, table, versions
@@ -625,8 +626,7 @@ def main() -> None:
     parser.add_argument("--daemon-writer", default="default", choices=("default", "public", "zarrs"),
                         help="the daemon's chunk path: its own choice, zarr's public API, or that "
                              "with the zarrs codec pipeline (pip install zarrs)")
-    parser.add_argument("--malloc", default="keep", choices=("keep", "system"),
-                        help="the daemon's --malloc, and this process's for the ceilings (see above)")
+    add_malloc_argument(parser, help="the daemon's --malloc, and this process's for the ceilings (see above)")
     args = parser.parse_args()
     global SCALARS
     if args.scalar_fields < 0:

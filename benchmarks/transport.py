@@ -47,6 +47,7 @@ import zmq
 from benchmarks._timing import base_parser, machine, paired_trials, print_json, stats, table, versions
 from broker import Batch, Broker, RunEnd, RunStart, Subscriber, ZmqPublisher
 from broker.allocator import apply_malloc_choice
+from broker.cli_args import add_malloc_argument
 
 WIDTHS = {"state": 37, "next_state": 37, "control": 19, "contacts": 72}
 FLAGS = ("terminated", "truncated", "valid")
@@ -309,9 +310,8 @@ def main(argv: list[str] | None = None) -> None:
                         help="alternating raw/worldtap rounds per case (ratio: median over rounds)")
     parser.add_argument("--slots", type=int, default=8, help="ZmqPublisher staging slots")
     parser.add_argument("--hwm", type=int, default=64, help="ZmqPublisher send high-water mark")
-    parser.add_argument("--malloc", default="keep", choices=("keep", "system"),
-                        help="the receiving process's allocator setting, for raw and worldtap "
-                             "alike (default keep, as worldtap-store's --malloc; see broker.allocator)")
+    add_malloc_argument(parser, help="the receiving process's allocator setting, for raw and worldtap "
+                                     "alike (default keep, as worldtap-store's --malloc; see broker.allocator)")
     args = parser.parse_args(argv)
     if torch.device(args.device).type != "cpu":
         parser.error("--device: transport publishes host tensors (it measures the wire); "

@@ -82,11 +82,12 @@ def check_endpoint(text: str) -> str:
     return text
 
 
-def add_malloc_argument(p: argparse.ArgumentParser) -> None:
-    """``--malloc {keep,system}``, for a command that receives large messages (see
-    :mod:`broker.allocator`); apply it with :func:`broker.allocator.apply_malloc_choice`."""
+def add_malloc_argument(p: argparse.ArgumentParser, help: str | None = None) -> None:
+    """``--malloc {keep,system}`` (default ``keep``), for a command that receives large messages
+    (see :mod:`broker.allocator`); apply it with :func:`broker.allocator.apply_malloc_choice`.
+    ``help`` replaces the commands' help text (the benchmarks say where they apply it)."""
     p.add_argument("--malloc", choices=("keep", "system"), default="keep",
-                   help="keep (default): keep up to 64 MiB of freed memory per heap for the next "
-                        "messages, where glibc's malloc would return it to the system at nearly "
-                        "every message and fault it in again; system: glibc's own defaults (and "
-                        "any MALLOC_* or GLIBC_TUNABLES setting always wins)")
+                   help=help or "keep (default): keep up to 64 MiB of freed memory per heap for the "
+                                "next messages, where glibc's malloc would return it to the system at "
+                                "nearly every message and fault it in again; system: glibc's own "
+                                "defaults (and any MALLOC_* or GLIBC_TUNABLES setting always wins)")

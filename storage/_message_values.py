@@ -23,6 +23,7 @@ from .errors import StorageError
 
 __all__ = ["RejectedMessage", "as_numpy", "identity", "run_fields"]
 
+
 class RejectedMessage(StorageError, ValueError):
     """A well-formed message the store cannot accept (out-of-range world, schema change).
 
