@@ -148,6 +148,21 @@ def test_uncompressed_chunks_in_a_memory_store_do_not_alias_the_callers_rows() -
     np.testing.assert_array_equal(col.array[:8], np.arange(24, dtype=np.float32).reshape(8, 3))
 
 
+@pytest.mark.parametrize("compression", ["lz4", "none"])
+def test_the_padding_of_a_flushed_chunk_is_zeros_after_a_rewind(compression: Compression) -> None:
+    # Rows of an interrupted commit stay in the tail's buffer after a rewind: the padding of
+    # the next flushed chunk must be zeros, not them.
+    store = MemoryStore()
+    group = zarr.open_group(store, mode="w")
+    col = Column(group.create_array("a", shape=(0,), chunks=(4,), dtype="int64", fill_value=0,
+                                    compressors=compressors(compression)), 0)
+    write_columns([(col, np.array([1, 2, 3]))])  # flushed, never committed
+    col.rewind(1)
+    write_columns([(col, np.array([9]))])
+    assert col.array.shape[0] >= 4
+    np.testing.assert_array_equal(col.array[:4], [1, 9, 0, 0])
+
+
 def test_empty_chunks_are_skipped_where_the_array_says_so() -> None:
     store = MemoryStore()
     group = zarr.open_group(store, mode="w")
