@@ -17,14 +17,21 @@ interval exceeds the upper bound of the dummy factor's (an independent uniform c
 draws). Exit status: 0 on success (also after Ctrl-C in live mode, once the outputs are
 written), 2 on bad input (no such store or run, an empty table), 1 when a needed package is
 missing.
+
+Live, SIGINT (Ctrl-C) and SIGTERM end the subscription between two messages (within a tenth of
+a second), and the analysis of what arrived is written; a second signal stops at once (exit
+130). The handlers are installed whatever the command inherited: started by a script in the
+background, a process inherits SIGINT ignored.
 """
 
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -190,6 +197,28 @@ def _offline(args: argparse.Namespace, out: _Out) -> int:
     return 0
 
 
+@contextmanager
+def _stop_on_signals(stop: threading.Event) -> Iterator[None]:
+    """SIGINT and SIGTERM set ``stop``, which the live loop reads between messages, so the
+    subscription ends where the loop chooses (an exception raised wherever the signal lands
+    could leave any library half-way); a second signal raises ``KeyboardInterrupt`` at once.
+    Only the main thread may install handlers: elsewhere nothing is installed."""
+    def on_signal(signum: int, frame: object) -> None:
+        if stop.is_set():
+            raise KeyboardInterrupt
+        stop.set()
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
 def _live(args: argparse.Namespace, out: _Out) -> int:
     from contextlib import nullcontext
 
@@ -215,8 +244,8 @@ def _live(args: argparse.Namespace, out: _Out) -> int:
     kwargs: dict[str, Any] = {
         "out": args.out, "run": args.run, "every": args.every, "outputs": _split(args.outputs),
         "methods": _split(args.methods) or [], "seed": args.seed, "resamples": args.resamples,
-        "bins": args.bins, "on_result": on_result, "on_status": out.status}
-    with watch if watch is not None else nullcontext():
+        "bins": args.bins, "on_result": on_result, "on_status": out.status, "stop": threading.Event()}
+    with watch if watch is not None else nullcontext(), _stop_on_signals(kwargs["stop"]):
         if display is None:
             result = run_live(args.connect, **kwargs)
         else:

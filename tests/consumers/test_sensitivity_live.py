@@ -160,17 +160,28 @@ def tcp_publisher() -> Iterator[ZmqPublisher]:
         pub.close(timeout=1.0)
 
 
-def test_ctrl_c_ends_the_command_cleanly(tcp_publisher: ZmqPublisher, tmp_path: Path) -> None:
-    """``python -m consumers.sensitivity --connect`` interrupted by SIGINT in the middle of a run
-    exits 0 without a traceback and leaves its outputs (one transport: a subprocess is slow)."""
+@pytest.mark.parametrize(("sig", "inherited"), [(signal.SIGINT, "default"), (signal.SIGINT, "ignored"),
+                                                (signal.SIGTERM, "default")],
+                         ids=["sigint", "sigint-inherited-ignored", "sigterm"])
+def test_ctrl_c_ends_the_command_cleanly(tcp_publisher: ZmqPublisher, tmp_path: Path, sig: int,
+                                         inherited: str) -> None:
+    """``python -m consumers.sensitivity --connect`` stopped by SIGINT (or SIGTERM) in the middle
+    of a run exits 0 without a traceback and leaves its outputs (one transport: a subprocess is
+    slow). Also when it inherited SIGINT ignored, as a command a script starts in the background
+    does. Bug caught: such a command ran on after SIGINT until the run's end (the fresh-clone
+    CI, run in the background, hung here), and SIGTERM killed it with nothing written."""
     publisher = tcp_publisher
     out = tmp_path / "out"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "consumers.sensitivity", "--connect", publisher.endpoints[0],
-         "--out", str(out), "--every", "100000", "--resamples", "5", "--outputs", "success",
-         "--methods", "pawn"],
-        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        env={**os.environ, "PYTHONPATH": str(ROOT)})
+    # -X faulthandler: a command that does not end is made to print every thread's stack
+    # (SIGABRT), and the failure shows where it stood
+    command = [sys.executable, "-X", "faulthandler", "-m", "consumers.sensitivity", "--connect",
+               publisher.endpoints[0], "--out", str(out), "--every", "100000", "--resamples", "5",
+               "--outputs", "success", "--methods", "pawn"]
+    if inherited == "ignored":  # SIG_IGN survives exec: the command starts with SIGINT ignored
+        command = [sys.executable, "-c", "import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_IGN); "
+                   "os.execv(sys.argv[1], sys.argv[1:])", *command]
+    proc = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": str(ROOT)})
     lines: queue.Queue[str] = queue.Queue()
     err: list[str] = []
     out_lines: list[str] = []
@@ -192,8 +203,16 @@ def test_ctrl_c_ends_the_command_cleanly(tcp_publisher: ZmqPublisher, tmp_path: 
             publish_run(broker, episodes=200, close=False)
             while "receiving finished episodes" not in lines.get(timeout=60):  # readiness
                 pass
-            proc.send_signal(signal.SIGINT)
-            proc.wait(timeout=120)
+            proc.send_signal(sig)
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.send_signal(signal.SIGABRT)
+                proc.wait(10)
+                for reader in readers:
+                    reader.join(10)
+                pytest.fail(f"the command did not end within 60 s of {signal.Signals(sig).name}; its "
+                            f"stderr, with every thread's stack:\n" + "".join(err)[-8000:])
     finally:
         if proc.poll() is None:
             proc.kill()
