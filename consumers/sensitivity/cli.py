@@ -19,9 +19,9 @@ written), 2 on bad input (no such store or run, an empty table), 1 when a needed
 missing.
 
 Live, SIGINT (Ctrl-C) and SIGTERM end the subscription between two messages (within a tenth of
-a second), and the analysis of what arrived is written; a second signal stops at once (exit
-130). The handlers are installed whatever the command inherited: started by a script in the
-background, a process inherits SIGINT ignored.
+a second), and the analysis of what arrived is written; another signal while it is being
+written stops the command at once (exit 130). The handlers are installed whatever the command
+inherited: started by a script in the background, a process inherits SIGINT ignored.
 """
 
 from __future__ import annotations
@@ -201,8 +201,9 @@ def _offline(args: argparse.Namespace, out: _Out) -> int:
 def _stop_on_signals(stop: threading.Event) -> Iterator[None]:
     """SIGINT and SIGTERM set ``stop``, which the live loop reads between messages, so the
     subscription ends where the loop chooses (an exception raised wherever the signal lands
-    could leave any library half-way); a second signal raises ``KeyboardInterrupt`` at once.
-    Only the main thread may install handlers: elsewhere nothing is installed."""
+    could leave any library half-way); a second signal raises ``KeyboardInterrupt`` where it
+    lands (during the final analysis: the command stops, exit 130). Only the main thread may
+    install handlers: elsewhere nothing is installed."""
     def on_signal(signum: int, frame: object) -> None:
         if stop.is_set():
             raise KeyboardInterrupt
