@@ -1,6 +1,7 @@
 """argparse types shared by worldtap's command lines (``worldtap-store``, ``worldtap-proxy``):
 each raises ``argparse.ArgumentTypeError`` with a message naming what was wrong, which argparse
-turns into one usage line and exit code 2."""
+turns into one usage line and exit code 2; and :func:`signals_set`, how those commands (and
+``worldtap-sensitivity``'s live mode) stop on SIGINT and SIGTERM."""
 
 from __future__ import annotations
 
@@ -8,10 +9,15 @@ import argparse
 import math
 import os
 import re
-from collections.abc import Callable
+import signal
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from types import FrameType
 from typing import NoReturn
 
-__all__ = ["OneLineParser", "add_malloc_argument", "check_endpoint", "parse_size", "positive_int", "seconds"]
+__all__ = ["OneLineParser", "add_malloc_argument", "check_endpoint", "parse_size", "positive_int", "seconds",
+           "signals_set"]
 
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6,
           "mib": 2**20, "g": 10**9, "gb": 10**9, "gib": 2**30}
@@ -91,3 +97,23 @@ def add_malloc_argument(p: argparse.ArgumentParser, help: str | None = None) -> 
                                 "next messages, where glibc's malloc would return it to the system at "
                                 "nearly every message and fault it in again; system: glibc's own "
                                 "defaults (and any MALLOC_* or GLIBC_TUNABLES setting always wins)")
+
+
+@contextmanager
+def signals_set(stop: threading.Event, *, interrupt_again: bool = False) -> Iterator[None]:
+    """While the block runs, SIGINT and SIGTERM set ``stop`` (whatever the process inherited: a
+    command a script starts in the background inherits SIGINT ignored), so the command's loop
+    ends where it chooses; the previous handlers are restored afterwards. With
+    ``interrupt_again``, a signal once ``stop`` is set raises ``KeyboardInterrupt`` where it
+    lands. Call it in the main thread (only it may install handlers)."""
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        if interrupt_again and stop.is_set():
+            raise KeyboardInterrupt
+        stop.set()
+
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)

@@ -47,14 +47,13 @@ from __future__ import annotations
 import argparse
 import contextlib
 import logging
-import signal
 import sys
 import threading
 import time
 import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from types import FrameType, TracebackType
+from types import TracebackType
 from typing import Any, Final
 
 import zmq
@@ -511,18 +510,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     except TransportError as exc:
         print(f"worldtap-proxy: {exc}", file=sys.stderr)
         return 5
+    from .cli_args import signals_set
+
     stop = threading.Event()
-
-    def _on_signal(signum: int, frame: FrameType | None) -> None:
-        stop.set()
-
-    previous = {s: signal.signal(s, _on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        return _serve(proxy, stop, args.status_interval, malloc)
-    finally:
-        proxy.close()
-        for s, handler in previous.items():
-            signal.signal(s, handler)
+    with signals_set(stop):  # the proxy is closed before the previous handlers are back
+        try:
+            return _serve(proxy, stop, args.status_interval, malloc)
+        finally:
+            proxy.close()
 
 
 def _serve(proxy: Proxy, stop: threading.Event, interval: float, malloc: str) -> int:

@@ -28,13 +28,11 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import signal
 import sys
 import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import ExitStack, contextmanager
-from types import FrameType
 from typing import Any
 
 from broker.allocator import apply_malloc_choice
@@ -188,33 +186,28 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     stop = threading.Event()
 
-    def _on_signal(signum: int, frame: FrameType | None) -> None:
-        stop.set()
-
     from broker import TransportError
+    from broker.cli_args import signals_set
 
-    previous = {s: signal.signal(s, _on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        return _serve(args, stop)
-    except _HandshakeFailed as exc:
-        print(f"worldtap-store: {exc}", file=sys.stderr)
-        return 6
-    except TransportError as exc:
-        print(f"worldtap-store: {exc}", file=sys.stderr)
-        return 5
-    except StoreDamagedError as exc:
-        print(f"worldtap-store: {exc}", file=sys.stderr)
-        return 3
-    except (StorageError, OSError) as exc:  # locked, not a run store, disk full, read-only
-        print(f"worldtap-store: {exc}", file=sys.stderr)
-        return 3
-    except Exception as exc:  # one line for the operator; the traceback at --log-level DEBUG
-        _log.debug("unexpected error", exc_info=exc)
-        print(f"worldtap-store: error: {exc!r}", file=sys.stderr)
-        return 1
-    finally:
-        for s, handler in previous.items():
-            signal.signal(s, handler)
+    with signals_set(stop):  # set until the error, if any, is said
+        try:
+            return _serve(args, stop)
+        except _HandshakeFailed as exc:
+            print(f"worldtap-store: {exc}", file=sys.stderr)
+            return 6
+        except TransportError as exc:
+            print(f"worldtap-store: {exc}", file=sys.stderr)
+            return 5
+        except StoreDamagedError as exc:
+            print(f"worldtap-store: {exc}", file=sys.stderr)
+            return 3
+        except (StorageError, OSError) as exc:  # locked, not a run store, disk full, read-only
+            print(f"worldtap-store: {exc}", file=sys.stderr)
+            return 3
+        except Exception as exc:  # one line for the operator; the traceback at --log-level DEBUG
+            _log.debug("unexpected error", exc_info=exc)
+            print(f"worldtap-store: error: {exc!r}", file=sys.stderr)
+            return 1
 
 
 def _serve(args: argparse.Namespace, stop: threading.Event) -> int:

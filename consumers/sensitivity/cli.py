@@ -27,11 +27,9 @@ inherited: started by a script in the background, a process inherits SIGINT igno
 from __future__ import annotations
 
 import argparse
-import signal
 import sys
 import threading
-from collections.abc import Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -197,31 +195,10 @@ def _offline(args: argparse.Namespace, out: _Out) -> int:
     return 0
 
 
-@contextmanager
-def _stop_on_signals(stop: threading.Event) -> Iterator[None]:
-    """SIGINT and SIGTERM set ``stop``, which the live loop reads between messages, so the
-    subscription ends where the loop chooses (an exception raised wherever the signal lands
-    could leave any library half-way); a second signal raises ``KeyboardInterrupt`` where it
-    lands (during the final analysis: the command stops, exit 130). Only the main thread may
-    install handlers: elsewhere nothing is installed."""
-    def on_signal(signum: int, frame: object) -> None:
-        if stop.is_set():
-            raise KeyboardInterrupt
-        stop.set()
-
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        yield
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-
-
 def _live(args: argparse.Namespace, out: _Out) -> int:
     from contextlib import nullcontext
+
+    from broker.cli_args import signals_set
 
     from .live import run_live
 
@@ -242,11 +219,16 @@ def _live(args: argparse.Namespace, out: _Out) -> int:
             return
         display.update(render_table(analysis), refresh=True)
 
+    stop = threading.Event()
     kwargs: dict[str, Any] = {
         "out": args.out, "run": args.run, "every": args.every, "outputs": _split(args.outputs),
         "methods": _split(args.methods) or [], "seed": args.seed, "resamples": args.resamples,
-        "bins": args.bins, "on_result": on_result, "on_status": out.status, "stop": threading.Event()}
-    with watch if watch is not None else nullcontext(), _stop_on_signals(kwargs["stop"]):
+        "bins": args.bins, "on_result": on_result, "on_status": out.status, "stop": stop}
+    # SIGINT and SIGTERM end the loop between two messages; another one during the final
+    # analysis stops the command (only the main thread may install handlers)
+    signals = signals_set(stop, interrupt_again=True) if threading.current_thread() is threading.main_thread() \
+        else nullcontext()
+    with watch if watch is not None else nullcontext(), signals:
         if display is None:
             result = run_live(args.connect, **kwargs)
         else:
