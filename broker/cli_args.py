@@ -1,7 +1,8 @@
 """argparse types shared by worldtap's command lines (``worldtap-store``, ``worldtap-proxy``):
 each raises ``argparse.ArgumentTypeError`` with a message naming what was wrong, which argparse
-turns into one usage line and exit code 2; and :func:`signals_set`, how those commands (and
-``worldtap-sensitivity``'s live mode) stop on SIGINT and SIGTERM."""
+turns into one usage line and exit code 2; and :func:`signals_set` and :func:`signals_interrupt`,
+how those commands (and ``worldtap-sensitivity``'s live mode, ``worldtap-demo`` and
+``worldtap-store export``) stop on SIGINT and SIGTERM."""
 
 from __future__ import annotations
 
@@ -12,12 +13,12 @@ import re
 import signal
 import threading
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from types import FrameType
 from typing import NoReturn
 
 __all__ = ["OneLineParser", "add_malloc_argument", "check_endpoint", "parse_size", "positive_int", "seconds",
-           "signals_set"]
+           "signals_interrupt", "signals_set"]
 
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6,
           "mib": 2**20, "g": 10**9, "gb": 10**9, "gib": 2**30}
@@ -117,3 +118,15 @@ def signals_set(stop: threading.Event, *, interrupt_again: bool = False) -> Iter
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+def signals_interrupt() -> AbstractContextManager[None]:
+    """While the block runs, SIGINT and SIGTERM raise ``KeyboardInterrupt`` where they land
+    (whatever the process inherited), so a one-shot command's cleanup runs on either: a
+    ``kill`` removes what it was writing as Ctrl-C does. Outside the main thread (where no
+    handler can be installed) it changes nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        return nullcontext()
+    stop = threading.Event()
+    stop.set()
+    return signals_set(stop, interrupt_again=True)

@@ -876,7 +876,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     """Run ``worldtap-store export``: 0 done; 1 unexpected error or OUT cannot be written; 2
     usage error (a bad option, an existing OUT, fields that cannot be mapped, a missing extra);
-    3 the store cannot be opened or read, or the run is unknown. Errors are one line on stderr."""
+    3 the store cannot be opened or read, or the run is unknown; 130 interrupted by SIGINT or
+    SIGTERM (whatever the process inherited), with nothing written. Errors are one line on
+    stderr."""
     wrong = [o for o in (_MINARI_ONLY if args.format == "isaaclab-hdf5" else _HDF5_ONLY)
              if getattr(args, o) is not None]
     if wrong:
@@ -884,29 +886,32 @@ def run(args: argparse.Namespace) -> int:
     report = None if args.quiet else _Progress()
     filters: dict[str, Any] = {"episodes": args.episodes, "worlds": args.worlds, "min_length": args.min_length,
                                "limit": args.limit, "overwrite": args.overwrite, "progress": report}
-    try:
-        if args.format == "isaaclab-hdf5":
-            summary = export_isaaclab_hdf5(
-                args.store, args.run, args.out, fields=args.fields,
-                rename=dict(args.rename) if args.rename else None, paths=args.paths or "field",
-                env_name=args.env, **filters)
-        else:
-            summary = export_minari(
-                args.store, args.run, args.out, root=args.minari_root, observations=args.observations,
-                actions=args.actions, rewards=args.rewards, terminations=args.terminations,
-                truncations=args.truncations, env=args.env, **filters,
-                dataset_info={k: getattr(args, k) for k in _MINARI_INFO if getattr(args, k) is not None})
-    except (StoreFormatError, StoreDamagedError, RunNotFoundError) as exc:
-        return _fail(3, str(exc))
-    except (ValueError, OutputExistsError, MissingExtraError) as exc:
-        return _fail(2, str(exc))
-    except KeyboardInterrupt:
-        return _fail(130, "interrupted; nothing was written")
-    except Exception as exc:  # the output cannot be written (disk full, ...), or a bug
-        return _fail(1, f"export failed: {exc!r}")
-    finally:
-        if report is not None:
-            report.close()
+    from broker.cli_args import signals_interrupt
+
+    with signals_interrupt():  # a kill removes OUT.partial as Ctrl-C does
+        try:
+            if args.format == "isaaclab-hdf5":
+                summary = export_isaaclab_hdf5(
+                    args.store, args.run, args.out, fields=args.fields,
+                    rename=dict(args.rename) if args.rename else None, paths=args.paths or "field",
+                    env_name=args.env, **filters)
+            else:
+                summary = export_minari(
+                    args.store, args.run, args.out, root=args.minari_root, observations=args.observations,
+                    actions=args.actions, rewards=args.rewards, terminations=args.terminations,
+                    truncations=args.truncations, env=args.env, **filters,
+                    dataset_info={k: getattr(args, k) for k in _MINARI_INFO if getattr(args, k) is not None})
+        except (StoreFormatError, StoreDamagedError, RunNotFoundError) as exc:
+            return _fail(3, str(exc))
+        except (ValueError, OutputExistsError, MissingExtraError) as exc:
+            return _fail(2, str(exc))
+        except KeyboardInterrupt:
+            return _fail(130, "interrupted; nothing was written")
+        except Exception as exc:  # the output cannot be written (disk full, ...), or a bug
+            return _fail(1, f"export failed: {exc!r}")
+        finally:
+            if report is not None:
+                report.close()
     skipped = f", {len(summary.skipped)} skipped (no rows)" if summary.skipped else ""
     print(f"worldtap-store export: run {args.run!r}: {len(summary.episodes)} episodes "
           f"({summary.samples} samples){skipped} -> {summary.out}", file=sys.stderr)

@@ -17,7 +17,10 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import json
+import os
 import re
+import signal
+import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -62,6 +65,8 @@ def _isaaclab_datasets() -> ModuleType:
 
 datasets = _isaaclab_datasets()
 h5py = pytest.importorskip("h5py")
+
+ROOT = Path(__file__).resolve().parents[2]
 
 RUN = "isaac"
 SEED = 1234
@@ -488,6 +493,58 @@ def test_output_is_atomic_and_never_overwritten_unasked(recorded: tuple[Path, Pa
     summary = export_isaaclab_hdf5(store, RUN, out, overwrite=True, limit=2)
     assert len(summary.episodes) == 2
     assert out.read_bytes() != before
+
+
+# The export's child: its progress report holds the export (OUT.partial open) until a signal.
+_HELD_EXPORT = """
+import sys, time
+import storage.export as export
+def held(self, done, total):
+    print("held", file=sys.stderr, flush=True)
+    while True:
+        time.sleep(0.05)
+export._Progress.__call__ = held
+from storage.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.parametrize(("sig", "inherited"), [(signal.SIGINT, "default"), (signal.SIGINT, "ignored"),
+                                                (signal.SIGTERM, "default")],
+                         ids=["sigint", "sigint-inherited-ignored", "sigterm"])
+def test_a_signalled_export_leaves_nothing(recorded: tuple[Path, Path], tmp_path: Path, sig: int,
+                                           inherited: str) -> None:
+    """``worldtap-store export`` stopped by SIGINT or SIGTERM in the middle of writing exits 130
+    with one line and leaves neither OUT nor OUT.partial; also when it inherited SIGINT ignored,
+    as a command a script starts in the background does. Bug caught: SIGTERM killed it (-15)
+    and left OUT.partial, and with SIGINT ignored it ran on."""
+    store, _ = recorded
+    out = tmp_path / "out" / "d.hdf5"
+    out.parent.mkdir()
+    command = [sys.executable, "-c", _HELD_EXPORT, "export", str(store), str(out), "--run", RUN,
+               "--format", "isaaclab-hdf5"]
+    if inherited == "ignored":  # SIG_IGN survives exec: the command starts with SIGINT ignored
+        command = [sys.executable, "-c", "import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_IGN); "
+                   "os.execv(sys.argv[1], sys.argv[1:])", *command]
+    with subprocess.Popen(command, cwd=ROOT, stderr=subprocess.PIPE, text=True,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)}) as proc:
+        try:
+            assert proc.stderr is not None
+            first = proc.stderr.readline()  # the export has begun writing OUT.partial
+            assert first == "held\n", first + proc.stderr.read()
+            assert (out.parent / "d.hdf5.partial").exists()
+            proc.send_signal(sig)
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                pytest.fail(f"the export ran on after signal {sig}")
+            err = proc.stderr.read()
+            assert proc.returncode == 130, err
+            assert err == "worldtap-store export: interrupted; nothing was written\n"
+            assert list(out.parent.iterdir()) == []
+        finally:
+            if proc.poll() is None:
+                proc.kill()
 
 
 def test_cli(recorded: tuple[Path, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str],
