@@ -27,14 +27,13 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from types import FrameType
 from typing import Any
 
 import numpy as np
@@ -74,29 +73,6 @@ class _Policy:
         greedy = (lean > 0).astype(np.int64)
         noise = self.rng.random(self.n) < 0.25
         return np.where(noise, 1 - greedy, greedy)
-
-
-class _Stop:
-    """SIGINT/SIGTERM -> a flag the loop reads at every step; a second signal raises
-    ``KeyboardInterrupt`` at once."""
-
-    def __init__(self) -> None:
-        self.requested = False
-        self._previous: dict[int, Any] = {}
-
-    def __enter__(self) -> _Stop:
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            self._previous[sig] = signal.signal(sig, self._on_signal)
-        return self
-
-    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
-        if self.requested:
-            raise KeyboardInterrupt
-        self.requested = True
-
-    def __exit__(self, *exc: object) -> None:
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
 
 
 def _start_daemon(store: Path, endpoint: str, log: Path) -> subprocess.Popen[bytes]:
@@ -219,7 +195,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     store = Path(args.store) if args.store else out / "demo.zarr"
     log = out / "daemon.log"
-    with tempfile.TemporaryDirectory(prefix="worldtap-demo-") as tmp, _Stop() as stop:
+    from broker.cli_args import signals_set
+
+    stop = threading.Event()  # set by the first SIGINT/SIGTERM; a second raises KeyboardInterrupt
+    with tempfile.TemporaryDirectory(prefix="worldtap-demo-") as tmp, signals_set(stop, interrupt_again=True):
         endpoint = args.endpoint or f"ipc://{tmp}/store.sock"
         try:
             result = _record(args, store, endpoint, log, stop)
@@ -243,7 +222,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _record(args: argparse.Namespace, store: Path, endpoint: str, log: Path,
-            stop: _Stop) -> tuple[str, bool] | None:
+            stop: threading.Event) -> tuple[str, bool] | None:
     """Run the simulation into the daemon; returns (run, interrupted), or None on failure."""
     import gymnasium as gym
 
@@ -287,12 +266,12 @@ def _record(args: argparse.Namespace, store: Path, endpoint: str, log: Path,
         obs, _ = wrapped.reset(seed=args.seed)
         progress.start = time.monotonic()
         ended = steps = 0
-        while ended < args.episodes and not stop.requested:
+        while ended < args.episodes and not stop.is_set():
             obs, _, terminated, truncated, _ = wrapped.step(policy(obs))
             ended += int(np.count_nonzero(terminated | truncated))
             steps += 1
             progress.update(ended, steps * args.worlds)
-        interrupted = stop.requested
+        interrupted = stop.is_set()
         progress.close()
         rec.close(interrupted=interrupted)  # RunEnd; the store marks an interrupted run so
         wrapped.close()
