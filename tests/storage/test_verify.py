@@ -1,7 +1,9 @@
 """``worldtap-store verify`` and ``repair`` on real stores written by the daemon, damaged on
 purpose: verify names the damage and exits 7; repair keeps exactly the longest verified prefix
 of episodes (byte-equal to what was published), records the rest as a source-4 gap, and leaves
-a store that verifies, that a second repair does not touch, and that a daemon still serves.
+a store that verifies, that a second repair does not touch, and that a daemon still serves. A
+repair killed at any of its writes leaves the damaged run or the repaired one, and a second
+repair completes it.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ import asyncio
 import json
 import re
 import shutil
+import signal
 import subprocess
 import sys
 from collections import Counter
@@ -20,12 +23,14 @@ from typing import Any, ClassVar
 import numpy as np
 import pytest
 import zarr
+from faulty_store import FaultyStore
 from procs import ENV
 from storage_sim import Sim, assert_episode_equal
 from store_checks import Spans
 
 from broker import Broker
 from storage import RunStore, StoreDaemon, StoreLock, repair_store, verify_store
+from storage._format import RunLocalStore
 from storage.cli import main
 
 pytestmark = pytest.mark.timeout(120)
@@ -408,3 +413,104 @@ def test_the_removed_range_matches_the_rule_row_by_row() -> None:
         verified, seq_high = int(rng.integers(0, n)), int(end_seq.max()) + int(rng.integers(0, 5))
         got = _removed_range(ep, bad, verified, num_worlds, seq_high)
         assert got == _removed_range_by_the_rule(world, end_seq, ~bad, verified, num_worlds, seq_high)
+
+
+class _Killed(BaseException):
+    """A kill: raised at one write and at every write after it, so the store holds what a process
+    killed just before that write leaves (no ``except Exception`` catches it)."""
+
+
+class _KillableStore(FaultyStore, RunLocalStore):
+    """The store a repair of a local directory writes through (:class:`RunLocalStore`, its
+    temporary files renamed into place), with :class:`FaultyStore`'s write hooks."""
+
+
+def _kill_at(n: int) -> Callable[[int, str, bytes | None], None]:
+    def before(k: int, key: str, value: bytes | None) -> None:
+        if k >= n:
+            raise _Killed(f"write {k} ({key})")
+    return before
+
+
+# A repair in its own process, killed (SIGKILL) just before write number argv[2] of the store.
+_KILLED_REPAIR = """
+import os, signal, sys
+sys.path.insert(0, sys.argv[3])
+from faulty_store import FaultyStore
+from storage import repair_store
+from storage._format import RunLocalStore
+class Store(FaultyStore, RunLocalStore):
+    pass
+def before(k, key, value):
+    if k == int(sys.argv[2]):
+        os.kill(os.getpid(), signal.SIGKILL)
+repair_store(Store(sys.argv[1], before=before))
+"""
+
+
+def _order(path: Path, run: str = "run-a") -> list[tuple[int, int]]:
+    table = RunStore(path).episodes(run)
+    return [(int(w), int(i)) for w, i in zip(table["world"], table["index"], strict=True)]
+
+
+@pytest.mark.parametrize("damage", ["flipped byte", "array zarr.json"])
+def test_a_repair_killed_at_any_write_leaves_what_a_second_repair_completes(
+        base: tuple[Path, dict[str, Sim], dict[str, Spans]], tmp_path: Path, damage: str) -> None:
+    """A repair killed before any one of its writes (a sample of them spread over the whole
+    repair, and each write around its commit point): what a reader sees is the whole damaged
+    run or exactly the repaired one (never a mix), and a second repair leaves the longest
+    verified prefix, byte-equal to what was published, with the removed range as one gap. Also
+    a real repair process killed by SIGKILL just before its commit point leaves the same files as
+    the simulated kill there. ("array zarr.json" removes the unreadable array before the commit.)
+    Bugs it would catch: the arrays cut before the commit point names the kept rows; the gap
+    committed apart from the cut (a kill between the two loses the record of the loss)."""
+    src, sims, spans = base
+    damaged = tmp_path / "damaged.zarr"
+    shutil.copytree(src, damaged)
+    order = _order(damaged)
+    prefix = DAMAGE[damage][0](damaged)
+    commits: list[int] = []  # the write of the commit point that names the kept rows
+
+    def find_commit(n: int, key: str, value: bytes | None) -> None:
+        if key == "runs/run-a/zarr.json" and value is not None and b'"repaired"' in value and not commits:
+            commits.append(n)
+
+    counted = _KillableStore(_copy(damaged, tmp_path / "counted"), before=find_commit)
+    repair_store(counted)
+    assert len(commits) == 1
+    points = sorted({*range(1, counted.writes + 1, 13), counted.writes,
+                     *(commits[0] + d for d in (-1, 0, 1, 2))})
+    for n in points:
+        path = tmp_path / f"kill{n}.zarr"
+        shutil.copytree(damaged, path)
+        with pytest.raises(_Killed):
+            repair_store(_KillableStore(path, before=_kill_at(n)))
+        seen = _order(path)
+        assert seen in (order, order[:prefix]), f"killed at write {n}: {len(seen)} episodes visible"
+        repair_store(path)
+        assert verify_store(path).sound, f"killed at write {n}"
+        reader = RunStore(path)
+        assert _order(path) == order[:prefix], f"killed at write {n}"
+        for key, got in zip(order[:prefix], reader.read_episodes("run-a"), strict=True):
+            assert_episode_equal(got, sims["run-a"].arrays(key))
+        gaps = [g for g in reader.gaps("run-a").rows() if g["source"] == 4]
+        assert len(gaps) == 1, f"killed at write {n}: {gaps}"
+        for key in order[prefix:]:
+            assert gaps[0]["expected"] <= spans["run-a"].first[key], (n, key, gaps)
+            assert spans["run-a"].last[key] < gaps[0]["received"], (n, key, gaps)
+        assert reader.info("run-a")["repaired"]["removed_episodes"] == len(order) - prefix
+        for key in sims["run-b"].outcome:
+            assert_episode_equal(reader.episode("run-b", *key), sims["run-b"].arrays(key))
+        if n == commits[0]:  # no time in the store yet: the two are byte-equal
+            real = tmp_path / "real.zarr"
+            shutil.copytree(damaged, real)
+            child = subprocess.run([sys.executable, "-c", _KILLED_REPAIR, str(real), str(n),
+                                    str(Path(__file__).parent)], capture_output=True, text=True,
+                                   env=ENV, timeout=60, check=False)
+            assert child.returncode == -signal.SIGKILL, child.stderr
+            simulated = tmp_path / "simulated.zarr"
+            shutil.copytree(damaged, simulated)
+            with pytest.raises(_Killed):
+                repair_store(_KillableStore(simulated, before=_kill_at(n)))
+            assert _files(real) == _files(simulated)
+        shutil.rmtree(path)
