@@ -3,8 +3,9 @@ the process there (the kill campaign). Writes are every ``set``, ``set_if_not_ex
 ``set_sync``, ``delete`` and ``delete_sync`` (and, through :func:`faulty`, ``delete_dir``), on
 any thread, counted in order.
 
-:class:`FaultyStore` is a local directory; :func:`faulty` wraps any store (a memory store, an
-fsspec URL's store) and keeps the synchronous write path of stores that have one."""
+:class:`FaultyStore` is a local directory, written as a daemon writes one; :func:`faulty`
+wraps any store (a memory store, an fsspec URL's store) and keeps the synchronous write path
+of stores that have one."""
 
 from __future__ import annotations
 
@@ -18,7 +19,9 @@ from typing import Any
 
 from zarr.abc.store import Store, SupportsDeleteSync, SupportsSetSync
 from zarr.core.buffer import Buffer
-from zarr.storage import LocalStore, WrapperStore
+from zarr.storage import WrapperStore
+
+from storage._format import RunLocalStore
 
 Action = Callable[[int, str, bytes | None], None]
 """Called as ``action(n, key, value)`` before write number ``n`` (1-based) of ``key``; raising
@@ -48,8 +51,10 @@ class _Counted:
             self.after(n, key, None if value is None else value.to_bytes())
 
 
-class FaultyStore(_Counted, LocalStore):
-    """A :class:`LocalStore` that calls ``before`` before every write (and ``after`` after it)."""
+class FaultyStore(_Counted, RunLocalStore):
+    """A local directory written as a daemon writes one (:class:`RunLocalStore`: each write to
+    a temporary file renamed into place) that calls ``before`` before every write (and
+    ``after`` after it)."""
 
     def __init__(self, root: Path | str, *, before: Action | None = None,
                  after: Action | None = None, read_only: bool = False) -> None:

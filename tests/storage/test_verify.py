@@ -30,7 +30,6 @@ from store_checks import Spans
 
 from broker import Broker
 from storage import RunStore, StoreDaemon, StoreLock, repair_store, verify_store
-from storage._format import RunLocalStore
 from storage.cli import main
 
 pytestmark = pytest.mark.timeout(120)
@@ -420,11 +419,6 @@ class _Killed(BaseException):
     killed just before that write leaves (no ``except Exception`` catches it)."""
 
 
-class _KillableStore(FaultyStore, RunLocalStore):
-    """The store a repair of a local directory writes through (:class:`RunLocalStore`, its
-    temporary files renamed into place), with :class:`FaultyStore`'s write hooks."""
-
-
 def _kill_at(n: int) -> Callable[[int, str, bytes | None], None]:
     def before(k: int, key: str, value: bytes | None) -> None:
         if k >= n:
@@ -438,13 +432,10 @@ import os, signal, sys
 sys.path.insert(0, sys.argv[3])
 from faulty_store import FaultyStore
 from storage import repair_store
-from storage._format import RunLocalStore
-class Store(FaultyStore, RunLocalStore):
-    pass
 def before(k, key, value):
     if k == int(sys.argv[2]):
         os.kill(os.getpid(), signal.SIGKILL)
-repair_store(Store(sys.argv[1], before=before))
+repair_store(FaultyStore(sys.argv[1], before=before))
 """
 
 
@@ -475,7 +466,7 @@ def test_a_repair_killed_at_any_write_leaves_what_a_second_repair_completes(
         if key == "runs/run-a/zarr.json" and value is not None and b'"repaired"' in value and not commits:
             commits.append(n)
 
-    counted = _KillableStore(_copy(damaged, tmp_path / "counted"), before=find_commit)
+    counted = FaultyStore(_copy(damaged, tmp_path / "counted"), before=find_commit)
     repair_store(counted)
     assert len(commits) == 1
     points = sorted({*range(1, counted.writes + 1, 13), counted.writes,
@@ -484,7 +475,7 @@ def test_a_repair_killed_at_any_write_leaves_what_a_second_repair_completes(
         path = tmp_path / f"kill{n}.zarr"
         shutil.copytree(damaged, path)
         with pytest.raises(_Killed):
-            repair_store(_KillableStore(path, before=_kill_at(n)))
+            repair_store(FaultyStore(path, before=_kill_at(n)))
         seen = _order(path)
         assert seen in (order, order[:prefix]), f"killed at write {n}: {len(seen)} episodes visible"
         repair_store(path)
@@ -511,6 +502,6 @@ def test_a_repair_killed_at_any_write_leaves_what_a_second_repair_completes(
             simulated = tmp_path / "simulated.zarr"
             shutil.copytree(damaged, simulated)
             with pytest.raises(_Killed):
-                repair_store(_KillableStore(simulated, before=_kill_at(n)))
+                repair_store(FaultyStore(simulated, before=_kill_at(n)))
             assert _files(real) == _files(simulated)
         shutil.rmtree(path)
