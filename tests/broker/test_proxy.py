@@ -8,7 +8,6 @@ storage daemon, with a proxy restart in the middle of a run.
 
 from __future__ import annotations
 
-import re
 import signal
 import socket
 import sys
@@ -449,16 +448,6 @@ def test_three_publisher_processes_through_the_proxy_into_one_daemon(
     assert max(i["started_at"] for i in infos) < min(i["ended_at"] for i in infos)  # interleaved
 
 
-def _wait_stored(daemon: Proc, at_least: int) -> None:
-    """Wait until the daemon's status lines report ``at_least`` episodes stored."""
-    deadline = time.monotonic() + 60
-    while not any(int(m.group(1)) >= at_least for line in list(daemon.err)
-                  if (m := re.search(r"status episodes=(\d+)", line))):
-        assert daemon.popen.poll() is None, daemon.stderr[-3000:]
-        assert time.monotonic() < deadline, daemon.stderr[-3000:]
-        time.sleep(0.02)
-
-
 def test_a_proxy_restart_mid_run_loses_what_was_in_flight_and_the_run_completes(
         spawn: Callable[..., Proc], tmp_path: Path, ipc_dir: Path) -> None:
     """The proxy is killed in the middle of a run and started again: what it held and what
@@ -472,7 +461,7 @@ def test_a_proxy_restart_mid_run_loses_what_was_in_flight_and_the_run_completes(
     daemon = _daemon(spawn, store, back, 1)
     pub = spawn(str(SIM), front, "--seed", "5", "--steps", "300", "--delay", "0.005", "--gate", str(gate),
                 "--steps2", "80")
-    _wait_stored(daemon, 3)
+    daemon.wait_stored(3)
     first.popen.kill()  # a crash: no goodbye to anyone
     assert first.wait(30) == -signal.SIGKILL
     second = _proxy(spawn, front, back)

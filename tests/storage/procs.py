@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import threading
 import time
@@ -44,6 +45,15 @@ class Proc:
                     break
             time.sleep(0.02)
         raise AssertionError(f"{text!r} not seen from {self.args}: {''.join(self.err)[-3000:]}")
+
+    def wait_stored(self, at_least: int, timeout: float = 60.0) -> None:
+        """Wait until this daemon's status lines report ``at_least`` episodes stored."""
+        deadline = time.monotonic() + timeout
+        while not any(int(m[1]) >= at_least for line in list(self.err)
+                      if (m := re.search(r"status episodes=(\d+)", line))):
+            assert self.popen.poll() is None, self.stderr[-3000:]
+            assert time.monotonic() < deadline, self.stderr[-3000:]
+            time.sleep(0.02)
 
     def wait(self, timeout: float = 60.0) -> int:
         rc = self.popen.wait(timeout)

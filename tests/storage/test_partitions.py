@@ -13,7 +13,6 @@ import re
 import signal
 import tempfile
 import threading
-import time
 import zlib
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -55,16 +54,6 @@ def sockets(tmp_path: Path) -> Iterator[tuple[str, str]]:
 
 def _started_runs(daemon: Proc) -> set[str]:
     return {m[1] for line in list(daemon.err) if (m := re.search(r"run '([^']+)': (started|resumed)", line))}
-
-
-def _wait_stored(daemon: Proc, at_least: int) -> None:
-    """Wait until the daemon's status lines report ``at_least`` episodes stored."""
-    deadline = time.monotonic() + 60
-    while not any(int(m[1]) >= at_least for line in list(daemon.err)
-                  if (m := re.search(r"status episodes=(\d+)", line))):
-        assert daemon.popen.poll() is None, daemon.stderr[-3000:]
-        assert time.monotonic() < deadline, daemon.stderr[-3000:]
-        time.sleep(0.02)
 
 
 def test_partition_of_a_run_is_a_stable_hash_of_its_id() -> None:
@@ -120,7 +109,7 @@ def test_three_partitioned_daemons_store_every_run_once_and_a_killed_one_resumes
     go.touch()
     for pub in pubs:
         pub.wait_line("gate", stream="out", timeout=60)
-    _wait_stored(daemons[1], 1)
+    daemons[1].wait_stored(1)
     # and it has admitted both its runs (the proxy may forward one publisher's backlog before
     # the other's first message: "stored 1" alone let it be killed before it saw its second run)
     mine = {run for run, p in parts.items() if p == 1}
