@@ -12,8 +12,13 @@ the run's life, printing ``stage <name>`` first:
 - ``run-end-committed``: right after the commit point that marks the run complete;
 - ``trim``: at the first write after that (cutting the arrays to their committed rows).
 
-Without ``--stage`` it runs to the end, then stores a second run (``run-b``) to show it serves.
-Prints ``handled <seq>`` after each message the daemon handled.
+With ``--kill-at-write N`` it kills itself just before the store's Nth write instead (printing
+``stage write N <key>``). With ``--end`` the run's ``RunEnd`` is delivered whatever
+``--from-seq`` says (the publisher sends a ``RunEnd`` again until a daemon confirms it).
+
+Without either it runs to the end, printing ``run-a writes <n>`` (the writes of run ``run-a``'s
+life), then stores a second run (``run-b``) to show it serves. Prints ``handled <seq>`` after
+each message the daemon handled.
 """
 
 from __future__ import annotations
@@ -46,12 +51,15 @@ def _die(stage: str) -> None:
 class Killer:
     """Store hooks that kill the process at one stage of run ``run-a``'s life."""
 
-    def __init__(self, stage: str | None) -> None:
+    def __init__(self, stage: str | None, at_write: int | None = None) -> None:
         self.stage = stage
+        self.at_write = at_write
         self.commits = 0
         self.complete = False
 
     def before(self, n: int, key: str, value: bytes | None) -> None:
+        if n == self.at_write:
+            _die(f"write {n} {key}")
         if key == "runs/run-a/zarr.json" and value is not None:
             if self.commits == 1 and self.stage == "first-commit":
                 _die("first-commit")
@@ -77,13 +85,15 @@ def main() -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--stage", choices=STAGES)
     p.add_argument("--from-seq", type=int, default=0)
+    p.add_argument("--kill-at-write", type=int, default=None)
+    p.add_argument("--end", action="store_true", help="deliver the RunEnd whatever --from-seq says")
     args = p.parse_args()
-    killer = Killer(args.stage)
+    killer = Killer(args.stage, args.kill_at_write)
     store = FaultyStore(args.store, before=killer.before, after=killer.after)
     daemon = StoreDaemon(store, commit_interval=0.0, memory_budget=24 << 10)  # fragments too
 
     def deliver(msg: Message) -> None:
-        if msg.seq < args.from_seq:
+        if msg.seq < args.from_seq and not (args.end and isinstance(msg, RunEnd)):
             return
         if isinstance(msg, RunEnd) and args.stage == "run-end-received":
             _die("run-end-received")
@@ -98,7 +108,8 @@ def main() -> int:
     sim.close()
     daemon.tick()
     stats: Any = daemon.statistics()
-    if args.stage is None:  # the restarted daemon serves a new run too
+    if args.stage is None and args.kill_at_write is None:  # the restarted daemon serves a new run too
+        print(f"run-a writes {store.writes}", flush=True)
         broker2 = Broker()
         broker2.subscribe("", daemon)
         sim2 = Sim(broker2, WORLDS, run="run-b", seed=args.seed + 1, reset_p=0.12)
