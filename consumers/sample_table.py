@@ -34,7 +34,7 @@ from broker.messages import BUILD, RESERVED_OUTCOMES
 
 from .errors import SampleTableError
 
-__all__ = ["OUTCOME_COLUMNS", "SampleArrays", "SampleTable"]
+__all__ = ["MAX_WORLDS_UNSEEN", "OUTCOME_COLUMNS", "SampleArrays", "SampleTable"]
 
 OUTCOME_COLUMNS = ("success", "terminated", "truncated", "length")
 
@@ -72,18 +72,45 @@ def _labels(where: str, raw: np.ndarray, labels: Sequence[Any]) -> np.ndarray:
     Raises:
         SampleTableError: A code is not an index of ``labels``.
     """
-    codes = raw[:, 0].astype(np.int64)
-    if codes.size and (codes.min() < 0 or codes.max() >= len(labels)):
-        raise SampleTableError(f"{where}: expected codes in [0, {len(labels)}), got {codes.min()}..{codes.max()}")
+    first = raw[:, 0]
+    if first.size and not (np.isfinite(first).all() and np.array_equal(first, np.trunc(first))
+                           and first.min() >= 0 and first.max() < len(labels)):
+        raise SampleTableError(f"{where}: expected codes in [0, {len(labels)}), got {first.min()}..{first.max()}")
+    codes = first.astype(np.int64)
     vocabulary = np.empty(len(labels), dtype=object)
     vocabulary[:] = list(labels)
     out: np.ndarray = vocabulary[codes]
     return out
 
 
+MAX_WORLDS_UNSEEN = 1 << 20
+"""The world indices a run's messages may use when its ``RunStart`` was not seen (a table that
+joined late): beyond it a message is rejected rather than grow the join state to its index."""
+
+
 def _host(t: torch.Tensor) -> np.ndarray:
-    """An owned host copy of a (possibly borrowed, possibly device) tensor."""
-    return np.array(t.detach().cpu().numpy(), copy=True)
+    """An owned host copy of a (possibly borrowed, possibly device) tensor; floats numpy has no
+    dtype for (bfloat16, float8) as float32."""
+    t = t.detach()
+    if t.is_floating_point() and t.dtype not in (torch.float16, torch.float32, torch.float64):
+        t = t.float()
+    return np.array(t.cpu().numpy(), copy=True)
+
+
+def _column(where: str, name: str, t: Any, n: int | None, *, integral: bool = False) -> np.ndarray:
+    """``t``, a 1-D tensor of ``n`` real values (any length for ``None``; integers where
+    ``integral``), as an owned host array.
+
+    Raises:
+        SampleTableError: It is not.
+    """
+    if (not isinstance(t, torch.Tensor) or t.dim() != 1 or (n is not None and t.shape[0] != n)
+            or t.is_complex() or (integral and (t.is_floating_point() or t.dtype == torch.bool))):
+        got = f"{t.dtype} of shape {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
+        size = "" if n is None else f" of {n} values"
+        raise SampleTableError(f"{where}: {name}: expected a 1-D {'integer' if integral else 'real'} "
+                               f"tensor{size}, got {got}")
+    return _host(t)
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -165,11 +192,13 @@ class SampleTable:
     ``RunEnd``'s replace the earlier ones key by key); ``RunEnd`` also frees that run's join
     state. Batches are ignored.
 
-    Raises (from the delivery call):
-        SampleTableError: A sample's value does not match its worlds, a key changes its
-            per-world shape or switches between categorical and numeric, or an outcome is not
-            a 1-D numeric tensor of one value per world or has a reserved name
-            (:data:`broker.messages.RESERVED_OUTCOMES`).
+    Raises (from the delivery call, which then changes nothing):
+        SampleTableError: A world index is outside the run (``[0, num_worlds)`` of its
+            ``RunStart``, or of :data:`MAX_WORLDS_UNSEEN` where that was not seen), a sample's
+            value or episodes do not match its worlds, a value is complex, a categorical code is
+            not an index of the labels, a key changes its per-world shape or switches between
+            categorical and numeric, or an outcome is not a 1-D real tensor of one value per
+            world or has a reserved name (:data:`broker.messages.RESERVED_OUTCOMES`).
     """
 
     name = "sample-table"
@@ -183,6 +212,7 @@ class SampleTable:
         self._outcomes: set[str] = set()
         self._declarations: dict[str, dict[str, dict[str, Any]]] = {}
         self._seeds: dict[str, int | None] = {}
+        self._num_worlds: dict[str, int] = {}
 
     def attach(self, broker: Broker) -> list[Subscription]:
         """Subscribe to ``variation/``, ``episode/`` and ``run/`` on ``broker``."""
@@ -202,6 +232,8 @@ class SampleTable:
                 self._capacity.pop(message.run, None)
 
     def _declare(self, message: RunStart | RunEnd) -> None:
+        if isinstance(message.num_worlds, int) and message.num_worlds > 0:
+            self._num_worlds[message.run] = message.num_worlds
         declared = self._declarations.setdefault(message.run, {})
         for key, decl in message.variations.items():
             declared[key] = _copy(decl)
@@ -229,24 +261,33 @@ class SampleTable:
 
     # -- joining -------------------------------------------------------------------------
 
+    def _worlds(self, where: str, run: str, t: Any) -> np.ndarray:
+        """A message's worlds (a 1-D integer tensor), each in the run.
+
+        Raises:
+            SampleTableError: They are not.
+        """
+        worlds = _column(where, "worlds", t, None, integral=True)
+        bound = self._num_worlds.get(run, MAX_WORLDS_UNSEEN)
+        if worlds.size and (int(worlds.min()) < 0 or int(worlds.max()) >= bound):
+            of = f"the run's {bound} worlds" if run in self._num_worlds else \
+                f"[0, {bound}) (the run's RunStart was not seen)"
+            raise SampleTableError(f"{where}: worlds: expected indices of {of}, got "
+                                   f"{int(worlds.min())}..{int(worlds.max())}")
+        return worlds
+
     def _state(self, run: str, key: str, factor: _Factor, worlds: np.ndarray) -> _KeyState:
         states = self._runs.setdefault(run, {})
         capacity = self._capacity.get(run, 0)
         needed = int(worlds.max()) + 1 if worlds.size else 0
         if needed > capacity:
-            capacity = max(needed, 2 * capacity)
+            capacity = min(max(needed, 2 * capacity), self._num_worlds.get(run, MAX_WORLDS_UNSEEN))
             self._capacity[run] = capacity
             for state in states.values():
                 state.grow(capacity)
         if key not in states:
             states[key] = _KeyState(factor.width, capacity)
         return states[key]
-
-    def _factor(self, message: VariationSample) -> _Factor:
-        factor = self._checked(f"topic {message.topic!r}", message.key,
-                               _Factor(tuple(message.value.shape[1:]), message.labels is not None))
-        self._factors.setdefault(message.key, factor)
-        return factor
 
     def _checked(self, where: str, key: str, factor: _Factor) -> _Factor:
         """``factor``, which must be the one the key had before (if any)."""
@@ -260,17 +301,25 @@ class SampleTable:
         return factor
 
     def _sample(self, message: VariationSample) -> None:
-        worlds, episodes = _host(message.worlds), _host(message.episodes)
+        where = f"topic {message.topic!r}"
+        worlds = self._worlds(where, message.run, message.worlds)
         n = worlds.shape[0]
-        if message.value.dim() == 0 or message.value.shape[0] != n or episodes.shape != (n,):
-            raise SampleTableError(
-                f"topic {message.topic!r}: expected value and episodes with a leading dimension "
-                f"of {n}, got shapes {tuple(message.value.shape)} and {episodes.shape}"
-            )
-        factor = self._factor(message)
+        value, episodes_in = message.value, message.episodes
+        shapes = [tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__ for t in (value, episodes_in)]
+        if shapes[0] == () or not isinstance(shapes[0], tuple) or shapes[0][0] != n or shapes[1] != (n,):
+            raise SampleTableError(f"{where}: expected value and episodes with a leading dimension "
+                                   f"of {n}, got shapes {shapes[0]} and {shapes[1]}")
+        episodes = _column(where, "episodes", episodes_in, n, integral=True)
+        if value.is_complex():
+            raise SampleTableError(f"{where}: expected a real value, got {value.dtype}")
+        factor = self._checked(where, message.key, _Factor(tuple(value.shape[1:]), message.labels is not None))
+        raw = _host(value).reshape(n, factor.width)
+        labels = None if message.labels is None else _labels(where, raw, message.labels)
+        # checked: from here on nothing raises
+        self._factors.setdefault(message.key, factor)
+        if not n:  # the key is known; no world has a sample to keep
+            return
         state = self._state(message.run, message.key, factor, worlds)
-        raw = _host(message.value).reshape(n, factor.width)
-        labels = None if message.labels is None else _labels(f"topic {message.topic!r}", raw, message.labels)
         values = raw.astype(np.float64)
         if message.phase == BUILD:
             state.build[worlds] = values
@@ -283,11 +332,12 @@ class SampleTable:
                 state.label[worlds] = labels
 
     def _end(self, message: EpisodeEnd) -> None:
-        worlds, episodes = _host(message.worlds), _host(message.episodes)
+        where = f"topic {message.topic!r}"
+        worlds = self._worlds(where, message.run, message.worlds)
         n = worlds.shape[0]
-        outcomes = np.stack([_host(t).astype(np.float64).reshape(n) for t in
-                             (message.success, message.terminated, message.truncated,
-                              message.length)], axis=1)
+        episodes = _column(where, "episodes", message.episodes, n, integral=True)
+        outcomes = np.stack([_column(where, name, getattr(message, name), n).astype(np.float64)
+                             for name in OUTCOME_COLUMNS], axis=1).reshape(n, len(OUTCOME_COLUMNS))
         extra: dict[str, np.ndarray] = {}
         for name, t in message.outcomes.items():
             if not isinstance(name, str) or not name or name in RESERVED_OUTCOMES:

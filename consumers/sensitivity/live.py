@@ -21,6 +21,7 @@ from typing import Any
 from broker import EpisodeEnd, RunEnd, RunStart, Subscriber, VariationSample
 from broker.zmq_subscriber import Gap
 
+from ..errors import SampleTableError
 from ..sample_table import SampleArrays, SampleTable
 from .analysis import CONVERGENCE_FRACTIONS, Analysis, analyze
 from .methods import DEFAULT_METHODS
@@ -28,6 +29,7 @@ from .methods import DEFAULT_METHODS
 __all__ = ["LIVE_TOPICS", "LiveResult", "run_live"]
 
 LIVE_TOPICS = ("run/", "variation/", "episode/")
+_SAID_REJECTED = 5  # rejected messages described in a status line each; the rest are counted
 
 
 @dataclass(slots=True)
@@ -42,6 +44,8 @@ class LiveResult:
         interrupted: Stopped by Ctrl-C (or ``stop``) before the run's end.
         episodes: Finished episodes received.
         gaps: Messages the subscriber reported lost.
+        rejected: Messages left out because they did not fit the run (a world outside it, a
+            value that does not match its worlds: :class:`consumers.errors.SampleTableError`).
         recomputed: Provisional analyses made while the run was going.
         declarations: The variation declarations received.
         arrays: The (X, Y) table the final analysis used (``None`` without episodes).
@@ -54,6 +58,7 @@ class LiveResult:
     interrupted: bool = False
     episodes: int = 0
     gaps: int = 0
+    rejected: int = 0
     recomputed: int = 0
     declarations: dict[str, Any] = field(default_factory=dict)
     arrays: SampleArrays | None = None
@@ -139,6 +144,7 @@ def run_live(
                 if item.run != result.run:
                     continue
                 if isinstance(item, RunStart | RunEnd):
+                    table(item)  # the run's worlds, which bound the samples' and ends' worlds
                     declarations.update({k: dict(v) for k, v in item.variations.items()})
                     if isinstance(item, RunEnd):
                         result.ended = True
@@ -147,7 +153,14 @@ def run_live(
                     continue
                 if isinstance(item, VariationSample | EpisodeEnd):
                     first = len(table) == 0
-                    table(item)
+                    try:
+                        table(item)
+                    except SampleTableError as exc:  # the message changed nothing
+                        result.rejected += 1
+                        if result.rejected <= _SAID_REJECTED:
+                            say(f"message {item.seq} left out: {exc}"
+                                f"{'' if result.rejected < _SAID_REJECTED else ' (further ones are only counted)'}")
+                        continue
                     if first and len(table):
                         say(f"receiving finished episodes of run {result.run!r}")
                 if len(table) >= next_at and pending is None:
@@ -170,6 +183,8 @@ def run_live(
                 collect(block=True)
             finally:
                 pool.shutdown(wait=True)
+    if result.rejected:
+        say(f"{result.rejected} message(s) left out of the analysis")
     result.episodes = len(table)
     result.declarations = declarations
     if len(table) == 0:

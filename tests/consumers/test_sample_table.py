@@ -12,7 +12,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from broker import Broker, EpisodeEnd, RunEnd, VariationSample
+from broker import Broker, EpisodeEnd, RunEnd, RunStart, VariationSample
 from capture import Recorder
 from capture.variations import ChoiceCfg, UniformCfg, Variation, VariationCfg, VariationRecorder
 from consumers.errors import SampleTableError
@@ -128,6 +128,51 @@ def test_inconsistent_samples_are_rejected() -> None:
         table(_sample("friction", "runtime", _i(0, 1), _i(0, 0), torch.tensor([1.0])))
     with pytest.raises(ValueError, match=r"expected codes in \[0, 2\), got 0..5"):
         table(_sample("object", "runtime", _i(0, 1), _i(0, 0), _i(0, 5), ("a", "b")))
+
+
+def test_a_world_outside_the_run_is_rejected_and_changes_nothing() -> None:
+    """Bug caught: a sample for world -1 was taken for the run's last world (numpy's negative
+    index), so world 2's friction became 9.9; a world index of 2**40 grew the join state to it."""
+    table = SampleTable()
+    table(_sample("friction", "runtime", _i(0, 1, 2), _i(0, 0, 0), torch.tensor([0.1, 0.2, 0.3])))
+    with pytest.raises(SampleTableError, match=r"topic 'variation/friction': worlds: expected indices of "
+                                               r"\[0, 1048576\) \(the run's RunStart was not seen\), got -1..-1"):
+        table(_sample("friction", "runtime", _i(-1), _i(0), torch.tensor([9.9])))
+    with pytest.raises(SampleTableError, match=r"got 1099511627776..1099511627776"):
+        table(_sample("friction", "runtime", _i(2**40), _i(0), torch.tensor([9.9])))
+    table(RunStart("r", 1, 0, 3, "cpu"))
+    with pytest.raises(SampleTableError, match=r"worlds: expected indices of the run's 3 worlds, got 1..3"):
+        table(_sample("friction", "runtime", _i(1, 3), _i(0, 0), torch.tensor([9.9, 9.9])))
+    with pytest.raises(SampleTableError, match=r"topic 'episode/end': worlds: .* got -2..0"):
+        table(_end(_i(0, -2), _i(0, 0), _b(True, True), _i(5, 5)))
+    with pytest.raises(SampleTableError, match=r"episode/end': length: expected a 1-D real tensor of 3 values, "
+                                               r"got torch.int64 of shape \(2,\)"):
+        table(_end(_i(0, 1, 2), _i(0, 0, 0), _b(True, False, True), _i(5, 5)))
+    table(_end(_i(0, 1, 2), _i(0, 0, 0), _b(True, False, True), _i(5, 5, 5)))
+    assert table.arrays().x[:, 0].tolist() == pytest.approx([0.1, 0.2, 0.3])
+    assert len(table) == 3
+
+
+def test_a_rejected_sample_leaves_no_key_behind() -> None:
+    """Bug caught: a categorical sample whose codes were past its labels was refused after its
+    key had been registered, so the table grew a column no accepted message had."""
+    table = SampleTable()
+    with pytest.raises(SampleTableError, match=r"expected codes in \[0, 1\), got 0..2"):
+        table(_sample("object", "runtime", _i(0, 1), _i(0, 0), _i(2, 0), ("cube",)))
+    assert table.keys == ()
+    table(_sample("object", "runtime", _i(0), _i(0), torch.tensor([[0, 1]]), ("cube", "ball")))  # its own shape
+    assert table.keys == ("object",)
+
+
+def test_values_numpy_has_no_dtype_for_are_taken_as_float32() -> None:
+    """A bfloat16 variation value is joined as float32 (numpy has no bfloat16: it raised
+    TypeError); a complex one is refused with a clear error."""
+    table = SampleTable()
+    table(_sample("mass", "build", _i(0, 1), _i(0, 0), torch.tensor([1.5, 2.25], dtype=torch.bfloat16)))
+    table(_end(_i(0, 1), _i(0, 0), _b(True, False), _i(5, 5)))
+    assert table.arrays().x[:, 0].tolist() == [1.5, 2.25]
+    with pytest.raises(SampleTableError, match=r"expected a real value, got torch\.complex64"):
+        table(_sample("mass", "build", _i(0), _i(0), torch.tensor([1j], dtype=torch.complex64)))
 
 
 def test_empty_table() -> None:
