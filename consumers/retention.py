@@ -126,7 +126,9 @@ class Retention:
 
         Raises:
             RetentionError: The number of worlds is unknown, or ``batch.worlds`` is not a 1-D
-                integer index of at most ``num_worlds`` worlds.
+                integer index of at most ``num_worlds`` worlds in ``[0, num_worlds)`` (the
+                values are checked on CPU tensors, as a remote subscriber's are; on a CUDA
+                device they are trusted, as reading them would wait for the device every step).
             RetentionSchemaError: The fields differ from the topic's schema (by name, dtype,
                 per-world shape or leading dimension).
         """
@@ -137,13 +139,7 @@ class Retention:
             )
         n = self.num_worlds
         worlds = batch.worlds
-        dtype = worlds.dtype
-        if (worlds.dim() != 1 or worlds.shape[0] > n or dtype.is_floating_point or dtype.is_complex
-                or dtype == torch.bool):
-            raise RetentionError(
-                f"topic {batch.topic!r}: expected worlds as a 1-D integer index of at most {n} worlds, "
-                f"got dtype {worlds.dtype} shape {tuple(worlds.shape)}"
-            )
+        self._check_worlds(batch.topic, worlds, n)
         if self.run is None:
             self.run = batch.run
         buf = self._topics.get(batch.topic)
@@ -165,11 +161,36 @@ class Retention:
             self._grows += buf.capacity != capacity
         self._batches += 1
 
+    @staticmethod
+    def _check_worlds(topic: str, worlds: object, n: int) -> None:
+        """Raise ``RetentionError`` unless ``worlds`` is a 1-D integer index of at most ``n``
+        worlds, each in ``[0, n)`` where the tensor is on the CPU (on a device its values are
+        trusted: reading them is a sync)."""
+        dtype = getattr(worlds, "dtype", None)
+        if (not isinstance(worlds, torch.Tensor) or worlds.dim() != 1 or worlds.shape[0] > n
+                or worlds.is_floating_point() or worlds.is_complex() or worlds.dtype == torch.bool):
+            raise RetentionError(
+                f"topic {topic!r}: expected worlds as a 1-D integer index of at most {n} worlds, "
+                f"got dtype {dtype} shape {tuple(getattr(worlds, 'shape', ()))}"
+            )
+        if worlds.device.type == "cpu" and worlds.numel():
+            lo, hi = torch.aminmax(worlds)
+            if lo < 0 or hi >= n:
+                raise RetentionError(f"topic {topic!r}: expected world indices in [0, {n}), got "
+                                     f"{int(lo)}..{int(hi)}")
+
     # -- episodes ------------------------------------------------------------------------
 
     def finish(self, end: EpisodeEnd) -> None:
-        """End the episodes of ``end.worlds``: hand them to the sink (if any), then free rows."""
+        """End the episodes of ``end.worlds``: hand them to the sink (if any), then free rows.
+
+        Raises:
+            RetentionError: ``end.worlds`` is not an index of the run's worlds (checked as
+                :meth:`append` checks a batch's), before anything changed.
+        """
         worlds = end.worlds
+        if self.num_worlds is not None:
+            self._check_worlds(end.topic, worlds, self.num_worlds)
         if worlds.numel() == 0:
             return
         self._finished += worlds.numel()

@@ -244,6 +244,36 @@ def test_bad_input_is_rejected_with_a_clear_error() -> None:
     assert retention.statistics().batches == 1  # nothing rejected was counted
 
 
+@pytest.mark.parametrize("hook", ["post_step", "post_reset"])
+def test_a_world_outside_the_run_is_refused_and_changes_nothing(hook: str) -> None:
+    """A batch or an episode end naming a world outside the run (as a malformed message a
+    remote subscriber decoded would) is refused with a RetentionError, and every world's
+    retained episode is what it was. Bug caught: an EpisodeEnd for world -1 ended world 2's
+    episode (torch's negative index), its rows lost; a batch for it raised torch's IndexError."""
+    retention = Retention(num_worlds=3)
+    w = torch.arange(3)
+
+    def batch(worlds: torch.Tensor, value: float) -> Batch:
+        return Batch("r", 0, 0, "batch/t", worlds, torch.zeros_like(worlds),
+                     {"x": torch.full((len(worlds),), value)}, hook)  # type: ignore[arg-type]
+
+    retention(batch(w, 1.0))
+    retention(batch(w, 2.0))
+    before = {world: retention.episode(world)["t"]["x"].tolist() for world in range(3)}
+    for bad in ([-1], [0, 3], [2**40]):
+        worlds = torch.tensor(bad)
+        n = len(bad)
+        with pytest.raises(RetentionError, match=r"topic 'episode/end': expected world indices in \[0, 3\)"):
+            retention(EpisodeEnd("r", 1, 0, worlds, torch.zeros(n, dtype=torch.int64),
+                                 torch.ones(n, dtype=torch.bool), torch.ones(n, dtype=torch.bool),
+                                 torch.zeros(n, dtype=torch.bool), torch.full((n,), 2)))
+        with pytest.raises(RetentionError, match=rf"topic 'batch/t': expected world indices in \[0, 3\), "
+                                                 rf"got {min(bad)}..{max(bad)}"):
+            retention(batch(worlds, 9.0))
+    assert {world: retention.episode(world)["t"]["x"].tolist() for world in range(3)} == before
+    assert retention.statistics().batches == 2
+
+
 def test_schema_errors_are_broker_schema_errors() -> None:
     """One vocabulary across packages: ``except broker.SchemaError`` catches retention's."""
     assert issubclass(RetentionSchemaError, RetentionError)
