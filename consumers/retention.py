@@ -165,19 +165,19 @@ class Retention:
     def _check_worlds(topic: str, worlds: object, n: int) -> None:
         """Raise ``RetentionError`` unless ``worlds`` is a 1-D integer index of at most ``n``
         worlds, each in ``[0, n)`` where the tensor is on the CPU (on a device its values are
-        trusted: reading them is a sync)."""
+        trusted: reading them is a sync). About 2 us on the CPU (one ``aminmax``)."""
         dtype = getattr(worlds, "dtype", None)
         if (not isinstance(worlds, torch.Tensor) or worlds.dim() != 1 or worlds.shape[0] > n
-                or worlds.is_floating_point() or worlds.is_complex() or worlds.dtype == torch.bool):
+                or worlds.dtype.is_floating_point or worlds.dtype.is_complex or worlds.dtype == torch.bool):
             raise RetentionError(
                 f"topic {topic!r}: expected worlds as a 1-D integer index of at most {n} worlds, "
                 f"got dtype {dtype} shape {tuple(getattr(worlds, 'shape', ()))}"
             )
-        if worlds.device.type == "cpu" and worlds.numel():
+        if worlds.is_cpu and worlds.shape[0]:
             lo, hi = torch.aminmax(worlds)
-            if lo < 0 or hi >= n:
-                raise RetentionError(f"topic {topic!r}: expected world indices in [0, {n}), got "
-                                     f"{int(lo)}..{int(hi)}")
+            low, high = int(lo), int(hi)
+            if low < 0 or high >= n:
+                raise RetentionError(f"topic {topic!r}: expected world indices in [0, {n}), got {low}..{high}")
 
     # -- episodes ------------------------------------------------------------------------
 
