@@ -165,7 +165,7 @@ class Retention:
     def _check_worlds(topic: str, worlds: object, n: int) -> None:
         """Raise ``RetentionError`` unless ``worlds`` is a 1-D integer index of at most ``n``
         worlds, each in ``[0, n)`` where the tensor is on the CPU (on a device its values are
-        trusted: reading them is a sync). About 2 us on the CPU (one ``aminmax``)."""
+        trusted: reading them is a sync). About 3 us on the CPU (one ``aminmax``)."""
         dtype = getattr(worlds, "dtype", None)
         if (not isinstance(worlds, torch.Tensor) or worlds.dim() != 1 or worlds.shape[0] > n
                 or worlds.dtype.is_floating_point or worlds.dtype.is_complex or worlds.dtype == torch.bool):

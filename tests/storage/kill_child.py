@@ -16,8 +16,8 @@ With ``--kill-at-write N`` it kills itself just before the store's Nth write ins
 ``stage write N <key>``). With ``--end`` the run's ``RunEnd`` is delivered whatever
 ``--from-seq`` says (the publisher sends a ``RunEnd`` again until a daemon confirms it).
 
-Without either it runs to the end, printing ``run-a writes <n>`` (the writes of run ``run-a``'s
-life), then stores a second run (``run-b``) to show it serves. Prints ``handled <seq>`` after
+Without either it runs to the end, printing ``run-a writes <n>`` (on a new store, the writes of
+run ``run-a``'s whole life), then stores a second run (``run-b``) to show it serves. Prints ``handled <seq>`` after
 each message the daemon handled.
 """
 
