@@ -46,6 +46,11 @@ class RetentionStatistics:
     bytes_allocated: int
 
 
+def _readable(t: torch.Tensor) -> bool:
+    """Whether reading ``t``'s values costs no device sync (it is in host memory)."""
+    return t.is_cpu
+
+
 class Retention:
     """Keeps each world's current episode in preallocated batched buffers.
 
@@ -173,7 +178,7 @@ class Retention:
                 f"topic {topic!r}: expected worlds as a 1-D integer index of at most {n} worlds, "
                 f"got dtype {dtype} shape {tuple(getattr(worlds, 'shape', ()))}"
             )
-        if worlds.is_cpu and worlds.shape[0]:
+        if _readable(worlds) and worlds.shape[0]:
             lo, hi = torch.aminmax(worlds)
             low, high = int(lo), int(hi)
             if low < 0 or high >= n:

@@ -16,6 +16,7 @@ import torch
 
 from broker import Batch
 from consumers import Retention
+from consumers import retention as retention_module
 
 _TENSOR_READS = ("__int__", "__index__", "__bool__", "__float__", "item", "tolist", "numpy", "cpu")
 
@@ -37,6 +38,9 @@ class HostReads:
 
 @pytest.fixture
 def reads(monkeypatch: pytest.MonkeyPatch) -> HostReads:
+    # The append path as on a CUDA device: the worlds' values are not read there (on the CPU,
+    # where a read is no sync, Retention checks them against the run's worlds).
+    monkeypatch.setattr(retention_module, "_readable", lambda t: False)
     counter = HostReads()
     for name in _TENSOR_READS:
         monkeypatch.setattr(torch.Tensor, name, counter.wrap(getattr(torch.Tensor, name)))
