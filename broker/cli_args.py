@@ -13,7 +13,7 @@ import re
 import signal
 import threading
 from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from contextlib import AbstractContextManager, contextmanager
 from types import FrameType
 from typing import NoReturn
 
@@ -106,7 +106,11 @@ def signals_set(stop: threading.Event, *, interrupt_again: bool = False) -> Iter
     command a script starts in the background inherits SIGINT ignored), so the command's loop
     ends where it chooses; the previous handlers are restored afterwards. With
     ``interrupt_again``, a signal once ``stop`` is set raises ``KeyboardInterrupt`` where it
-    lands. Call it in the main thread (only it may install handlers)."""
+    lands. Outside the main thread (where no handler can be installed) it installs nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
     def on_signal(signum: int, frame: FrameType | None) -> None:
         if interrupt_again and stop.is_set():
             raise KeyboardInterrupt
@@ -123,10 +127,8 @@ def signals_set(stop: threading.Event, *, interrupt_again: bool = False) -> Iter
 def signals_interrupt() -> AbstractContextManager[None]:
     """While the block runs, SIGINT and SIGTERM raise ``KeyboardInterrupt`` where they land
     (whatever the process inherited), so a one-shot command's cleanup runs on either: a
-    ``kill`` removes what it was writing as Ctrl-C does. Outside the main thread (where no
-    handler can be installed) it changes nothing."""
-    if threading.current_thread() is not threading.main_thread():
-        return nullcontext()
+    ``kill`` removes what it was writing as Ctrl-C does. Outside the main thread it changes
+    nothing (see :func:`signals_set`)."""
     stop = threading.Event()
     stop.set()
     return signals_set(stop, interrupt_again=True)

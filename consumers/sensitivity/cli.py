@@ -225,10 +225,8 @@ def _live(args: argparse.Namespace, out: _Out) -> int:
         "methods": _split(args.methods) or [], "seed": args.seed, "resamples": args.resamples,
         "bins": args.bins, "on_result": on_result, "on_status": out.status, "stop": stop}
     # SIGINT and SIGTERM end the loop between two messages; another one during the final
-    # analysis stops the command (only the main thread may install handlers)
-    signals = signals_set(stop, interrupt_again=True) if threading.current_thread() is threading.main_thread() \
-        else nullcontext()
-    with watch if watch is not None else nullcontext(), signals:
+    # analysis stops the command (in the main thread: only it may install handlers)
+    with watch if watch is not None else nullcontext(), signals_set(stop, interrupt_again=True):
         if display is None:
             result = run_live(args.connect, **kwargs)
         else:

@@ -428,14 +428,11 @@ def _kill_at(n: int) -> Callable[[int, str, bytes | None], None]:
 
 # A repair in its own process, killed (SIGKILL) just before write number argv[2] of the store.
 _KILLED_REPAIR = """
-import os, signal, sys
+import sys
 sys.path.insert(0, sys.argv[3])
-from faulty_store import FaultyStore
+from faulty_store import FaultyStore, kill_when
 from storage import repair_store
-def before(k, key, value):
-    if k == int(sys.argv[2]):
-        os.kill(os.getpid(), signal.SIGKILL)
-repair_store(FaultyStore(sys.argv[1], before=before))
+repair_store(FaultyStore(sys.argv[1], before=kill_when(lambda k, key, value: k == int(sys.argv[2]))))
 """
 
 
