@@ -434,11 +434,8 @@ class _Plan:
     __slots__ = ("acc", "batch", "columns", "count", "exact", "groups", "pending", "rows")
 
     def __init__(self, keys: list[str], tensors: Sequence[torch.Tensor], kernel: str = "eager") -> None:
-        by_dtype: dict[torch.dtype, list[int]] = {}
-        for i, (key, t) in enumerate(zip(keys, tensors, strict=True)):
-            _compute_dtype(key, t.dtype)
-            if t.device != tensors[0].device:
-                raise ValueError(f"field {key!r}: on {t.device}, the batch's other fields on {tensors[0].device}")
+        by_dtype: dict[torch.dtype, list[int]] = {}  # the fields are checked (LiveStatistics._check)
+        for i, t in enumerate(tensors):
             by_dtype.setdefault(t.dtype, []).append(i)
         widths = [math.prod(t.shape[1:]) for t in tensors]
         starts = [0] * len(keys)
@@ -545,6 +542,13 @@ class _HostMoments:
         return FieldStatistics(self.count, self.mean, std, self.min, self.max)
 
 
+def _rows(what: str, worlds: torch.Tensor) -> int:
+    """The number of worlds of a message (its 1-D ``worlds`` index); ValueError if not 1-D."""
+    if worlds.dim() != 1:
+        raise ValueError(f"{what} must be 1-D, got shape {tuple(worlds.shape)}")
+    return worlds.shape[0]
+
+
 class LiveStatistics:
     """Running mean, std, min and max of every field of the chosen topics, plus the episode
     count and success rate: the model of a live consumer that copies only what it needs.
@@ -584,10 +588,16 @@ class LiveStatistics:
         every: Reduce one batch in ``every`` per topic (subsampling bounds the cost).
         kernel: One of :data:`KERNELS` (above).
 
+    Each message is checked whole before anything is counted, so a refused one changes
+    nothing (the subsampling's count of its topic included). The checks read shapes, dtypes
+    and devices only, never values, so they cost no device synchronization.
+
     Raises:
         ValueError: ``every`` is not a positive int or ``kernel`` is not one of
-            :data:`KERNELS`; on a batch, a field's per-world shape differs from the one seen
-            before, or the chosen fields are on different devices.
+            :data:`KERNELS`; on a batch, its worlds are not 1-D, a chosen field does not have
+            one row per world, a field's per-world shape differs from the one reduced before,
+            or the chosen fields are on different devices; on an episode end, its worlds are
+            not 1-D or its ``success`` or ``length`` is not one value per world.
         ImportError: ``kernel="numba"`` and numba is not installed.
         TypeError: On a batch, a chosen field is complex or of another non-real dtype.
     """
@@ -621,23 +631,44 @@ class LiveStatistics:
         if isinstance(message, Batch):
             self._batch(message)
         elif isinstance(message, EpisodeEnd):
-            self._episodes += message.worlds.numel()
-            self._successes = self._successes + message.success.sum()
+            n = _rows("episode end: worlds", message.worlds)
+            for name in ("success", "length"):
+                t = getattr(message, name)
+                if t.dim() != 1 or t.shape[0] != n:
+                    raise ValueError(f"episode end: {name} has {t.numel()} values for {n} worlds "
+                                     f"(shape {tuple(t.shape)}, expected ({n},))")
+            successes = self._successes + message.success.sum()
             self._lengths = self._lengths + message.length.sum()
+            self._successes = successes
+            self._episodes += n
 
     def _batch(self, batch: Batch) -> None:
-        seen = self._seen.get(batch.topic, 0)
-        self._seen[batch.topic] = seen + 1
-        n = batch.worlds.numel()
-        if seen % self.every or n == 0:
-            return
+        """Check a batch whole, then count it for the subsampling and reduce it if it is chosen:
+        a refused batch changes nothing, its topic's count of batches included."""
+        n = _rows(f"batch on {batch.topic!r}: worlds", batch.worlds)
         term, fields = batch.term, batch.fields
         names = list(fields) if self.fields is None else [f for f in fields if f"{term}/{f}" in self.fields]
         tensors = [fields[f] for f in names]
-        layout = (batch.topic, *[(f, t.dtype, t.shape[1:], t.device) for f, t in zip(names, tensors, strict=True)])
-        plan = self._plans.get(layout) if tensors else None
-        if plan is None and tensors:
-            plan = self._plans[layout] = self._plan([f"{term}/{f}" for f in names], tensors)
+        layout: list[object] = [batch.topic]
+        for f, t in zip(names, tensors, strict=True):
+            shape = t.shape
+            if not shape or shape[0] != n:
+                raise ValueError(f"field {term}/{f!r}: shape {tuple(shape)}, expected one row per world "
+                                 f"of the batch ({n} rows)")
+            layout.append((f, t.dtype, shape[1:], t.device))
+        key = tuple(layout)
+        plan = self._plans.get(key) if tensors else None
+        keys = [f"{term}/{f}" for f in names] if plan is None and tensors else []
+        if keys:
+            self._check(keys, tensors)
+        seen = self._seen.get(batch.topic, 0)
+        self._seen[batch.topic] = seen + 1
+        if seen % self.every or n == 0:
+            return
+        if keys:
+            plan = self._plans[key] = _Plan(keys, tensors, self.kernel)
+            for k, t in zip(keys, tensors, strict=True):
+                self._shapes[k] = tuple(t.shape[1:])
         self._batches += 1
         if plan is None:
             return
@@ -647,16 +678,18 @@ class LiveStatistics:
         else:  # the simulation's own setting (entering no_grad costs as much as a small field)
             plan.update(tensors, n)
 
-    def _plan(self, keys: list[str], tensors: list[torch.Tensor]) -> _Plan:
+    def _check(self, keys: list[str], tensors: list[torch.Tensor]) -> None:
+        """Raise if the fields of a layout not seen before cannot be reduced together: a
+        per-world shape differs from the one reduced before, a dtype has no moments, or the
+        fields are on several devices."""
         for key, t in zip(keys, tensors, strict=True):
             shape = tuple(t.shape[1:])
             if self._shapes.get(key, shape) != shape:
                 raise ValueError(f"field {key!r}: per-world shape {shape} differs from "
                                  f"{self._shapes[key]} seen before")
-        plan = _Plan(keys, tensors, self.kernel)
-        for key, t in zip(keys, tensors, strict=True):
-            self._shapes[key] = tuple(t.shape[1:])
-        return plan
+            _compute_dtype(key, t.dtype)
+            if t.device != tensors[0].device:
+                raise ValueError(f"field {key!r}: on {t.device}, the batch's other fields on {tensors[0].device}")
 
     def summary(self) -> LiveSummary:
         """A host snapshot (reads the device once per field layout)."""
