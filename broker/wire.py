@@ -32,6 +32,9 @@ dimension counted as 1, so no size computed from a decoded shape can overflow. A
 keeps the structural contract of :mod:`broker.messages` (1-D int64 ``worlds`` and ``episodes`` of
 one length, that length leading every other tensor, bool tensors holding only 0 and 1, ...);
 its *values* (world indices, episode numbers) are for the receiver to check against its run.
+Encoding refuses (reason ``"encode"``) what decoding would reject, from the header and the
+tensors' dtypes and shapes, once per message shape (:class:`HeaderTemplate`), never reading a
+tensor's values.
 Decoded tensors are CPU tensors built over the received frames without a copy (a read-only
 buffer such as ``bytes`` is copied once, because torch tensors must be writable); they belong to
 the receiver (a version 2 message's tensors are disjoint views of its one data frame). With
@@ -261,10 +264,16 @@ def encode_header(
     """The msgpack header of ``message`` whose tensors have the given specs (position order: own
     tensors, then fields: a batch's fields or an episode end's outcomes), in protocol ``version``.
 
+    Receivers decode strictly, so what every receiver would refuse is refused here, where the
+    caller sees it, rather than lost there: a run message is decoded whole; any other message
+    is checked from its header and its tensors' specs as a receiver checks it (the tensors'
+    values are not read), so a batch field without one row per world, worlds that are not 1-D
+    int64, an episode end's column of another length, ... raise here.
+
     Raises:
         WireFormatError: (reason ``"encode"``) a value msgpack cannot carry, e.g. metadata, or
-            a run message that receivers would reject (metadata map keys other than str or
-            bytes, a schema dtype off the whitelist).
+            a message that receivers would reject (see above; also metadata map keys other
+            than str or bytes, a schema dtype off the whitelist).
     """
     kind, head = _head(message, own, fields, publisher, number, streams, version)
     try:
@@ -272,17 +281,40 @@ def encode_header(
     except (TypeError, ValueError, OverflowError, msgpack.PackException) as exc:
         raise _fail("encode", f"topic {message.topic!r}: header cannot be encoded with msgpack: "
                               f"{exc}") from exc
-    if kind in ("run_start", "run_end"):
-        # Receivers decode strictly: refuse here, where the caller sees it, what every receiver
-        # would refuse (metadata with int keys, a schema dtype off the whitelist, ...), rather
-        # than lose the run there. Two messages a run, so the cost does not matter.
-        try:
+    try:
+        if kind in ("run_start", "run_end"):  # two messages a run: the cost does not matter
             decode_envelope([message.topic.encode(), header], max_header_size=len(header),
                             max_message_size=MAX_BYTES)
-        except WireFormatError as exc:
-            raise _fail("encode", f"topic {message.topic!r}: receivers would reject this message "
-                                  f"({exc.reason}): {exc}") from exc
+        else:
+            _check_as_received(message.topic, header)
+    except WireFormatError as exc:
+        raise _fail("encode", f"topic {message.topic!r}: receivers would reject this message "
+                              f"({exc.reason}): {exc}") from exc
     return header
+
+
+def _check_as_received(topic: str, header: bytes) -> None:
+    """Raise the :class:`WireFormatError` a receiver would raise on a message of this header
+    (not a run message), from the header alone: every check of :func:`decode` but those of
+    the tensors' bytes, on stand-in arrays of the header's dtypes and shapes that hold no
+    memory (a bool tensor's values, which only its bytes tell, are not checked)."""
+    head = _unpack(topic, memoryview(header))
+    kind = _check_head(topic, head)
+    own_specs = _specs(topic, head, "tensors", MAX_BYTES)
+    named_key = _NAMED.get(kind)
+    field_specs = _specs(topic, head, named_key, MAX_BYTES) if named_key is not None else []
+    _layout(topic, kind, head["v"], own_specs, field_specs)
+
+    def stand_in(dtype: str, shape: tuple[int, ...]) -> np.ndarray:
+        array = np.broadcast_to(np.zeros((), NUMPY_DTYPES[dtype]), shape)
+        return array.view(BFloat16Bits) if dtype == "bfloat16" else array
+
+    own = {name: stand_in(dtype, shape) for name, dtype, shape, _ in own_specs}
+    fields = {name: stand_in(dtype, shape) for name, dtype, shape, _ in field_specs}
+    if len(fields) != len(field_specs):
+        raise _fail("schema", f"topic {topic!r}: duplicate {_NAMED[kind]} names "
+                              f"{shown([s[0] for s in field_specs])}")
+    assemble(topic, kind, head, own, fields, MAX_BYTES)
 
 
 _VARYING: Final = ("run", "seq", "step", "pub", "n")
@@ -293,6 +325,9 @@ _ROWS: Final = -2
 _VERSION: Final = -3
 """Places in a template's chunks for the packed :data:`_VARYING` values, the row count and the
 protocol version."""
+_COUNTS: Final = 1 << 63
+"""Header counts (``seq``, ``step``, ...) are ints in ``[0, _COUNTS)`` (msgpack's uint64, as
+int64 would have them)."""
 _PACKED_VERSIONS: Final[dict[int, bytes]] = {v: msgpack.packb(v) for v in PROTOCOL_VERSIONS}
 
 
@@ -335,6 +370,10 @@ class HeaderTemplate:
         kind, head = _head(message, own, fields, "", 0, None)
         if kind in ("run_start", "run_end"):
             raise _fail("encode", f"topic {message.topic!r}: run messages have no header template")
+        # Refuses what receivers would (see encode_header): a message of this template differs
+        # from this one only in its varying values, checked per message, and in a leading
+        # dimension its tensors share, which no check of a receiver tells from this one's.
+        encode_header(message, own, fields)
         packer = msgpack.Packer(use_bin_type=True, strict_types=False)
         chunks: list[bytes | int] = [packer.pack_map_header(len(head))]
         try:
@@ -377,6 +416,11 @@ class HeaderTemplate:
             WireFormatError: (reason ``"encode"``) a value msgpack cannot carry (an int of 2**64
                 or more or below -2**63, an object msgpack does not know).
         """
+        if not (isinstance(run, str) and type(seq) is int and type(step) is int
+                and 0 <= seq < _COUNTS and 0 <= step < _COUNTS):
+            raise _fail("encode", f"topic {self._topic!r}: receivers would reject this message (header): "
+                                  f"run must be a str and seq and step ints in [0, 2**63), got "
+                                  f"{shown(run)}, {shown(seq)} and {shown(step)}")
         parts = self._chunks.copy()
         parts[self._version] = _packed_version(version)
         try:

@@ -392,7 +392,9 @@ class ZmqPublisher:
                 (this message is lost), or earlier messages timed out on the socket (this one
                 was staged; :meth:`close` raises again).
             TransportError: The sender thread failed.
-            WireFormatError: The message cannot be encoded (this message is lost), or
+            WireFormatError: The message cannot be encoded, or receivers would reject it (a
+                field without one row per world, a negative seq, ...): it is not sent and
+                takes no number, so subscribers see no gap for it; or
                 (``block`` policy, reason ``"too large"``) an earlier message exceeded the
                 message size limit.
         """

@@ -120,21 +120,26 @@ def test_template_headers_are_the_documented_bytes_and_decode_to_the_message(
     assert cache.built == 1  # one template whatever the number of worlds
 
 
-def test_shapes_without_a_shared_leading_dimension_are_part_of_the_template() -> None:
-    """A 0-d field, or fields whose first dimensions differ, leave no row count to patch: each
-    exact shape has its own template, and each header is still the documented bytes."""
+def test_shapes_without_a_shared_leading_dimension_are_refused_and_build_no_template() -> None:
+    """Every tensor of a message receivers take leads with its worlds: a 0-d field, or a field
+    of other rows, is refused when its template would be built (receivers would reject the
+    message), and the next message of the topic is encoded as before."""
     cache = HeaderCache()
     w, e = torch.arange(3), torch.zeros(3, dtype=torch.int64)
-    shapes: list[dict[str, torch.Tensor]] = [
-        {"scalar": torch.tensor(1.5)}, {"scalar": torch.tensor(2.5)},
-        {"ragged": torch.zeros(4, 2)}, {"ragged": torch.ones(5, 2)}, {"ragged": torch.ones(5, 2)}]
-    for i, named in enumerate(shapes):
-        message = Batch("r", i, i, "batch/odd", w, e, named)
+    for named, problem in [({"scalar": torch.tensor(1.5)}, r"tensor 'scalar': expected a leading worlds "
+                                                            r"dimension of 3, got shape \(\)"),
+                           ({"ragged": torch.zeros(4, 2)}, r"tensor 'ragged': expected a leading worlds "
+                                                            r"dimension of 3, got shape \(4, 2\)")]:
+        message = Batch("r", 0, 0, "batch/odd", w, e, named)
         own, fields = message_tensors(message)
-        for number in EDGES:
-            header = cache.header(message, own, fields, publisher="p", number=number)
-            assert header == reference_header(message, "p", number)
-    assert cache.built == 3  # one per exact shape: () for both scalars, (4, 2), (5, 2)
+        with pytest.raises(WireFormatError, match=r"receivers would reject this message \(schema\): .*"
+                                                  + problem) as info:
+            cache.header(message, own, fields, publisher="p", number=0)
+        assert info.value.reason == "encode"
+    assert cache.built == 0
+    message = Batch("r", 1, 1, "batch/odd", w, e, {"ragged": torch.zeros(3, 2)})
+    own, fields = message_tensors(message)
+    assert cache.header(message, own, fields, publisher="p", number=1) == reference_header(message, "p", 1)
 
 
 def test_templates_tell_equal_but_differently_typed_constants_apart() -> None:

@@ -7,6 +7,7 @@ every number that did not arrive must lie inside a :class:`Gap` reported in its 
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import queue
 import re
@@ -34,6 +35,7 @@ from broker import (
     SendTimeoutError,
     Subscriber,
     SubscriberTimeoutError,
+    WireFormatError,
     ZmqPublisher,
     decode,
     encode,
@@ -650,3 +652,36 @@ def test_a_cut_connection_loses_whole_messages_only_and_they_are_a_gap(
     assert isinstance(items[-1], RunEnd)
     assert sub.statistics().missing == 20 - len(got) > 0
     _accounted(pub.statistics())
+
+
+def test_a_message_receivers_would_reject_is_refused_at_publish_and_numbers_nothing(
+        make_pub: MakePub, make_sub: MakeSub, free_endpoint: Callable[[], str], numbered: Numbered,
+        check_numbered: Check) -> None:
+    """Bug: a batch whose field had a row too many (or a negative seq, an unknown hook, ...) was
+    numbered and sent, and every receiver dropped it as malformed: the publisher's caller learnt
+    nothing, and each subscriber's stream had a hole where a message had been counted sent.
+    Now publish refuses it, before it takes a number: the stream carries on with no gap, every
+    batch byte-exact, and the publisher counts only what it sent."""
+    pub = make_pub(free_endpoint())
+    sub = make_sub(pub.endpoints[0])
+    pub.wait_for_subscribers(1, timeout=10)
+    reader = _Reader(sub)
+    reader.start()
+    good = numbered(0)
+    bad = [dataclasses.replace(good, fields={**good.fields, "x": torch.zeros(5, 3)}),  # 5 rows, 4 worlds
+           dataclasses.replace(good, seq=-1),
+           dataclasses.replace(good, hook="later")]  # type: ignore[arg-type]
+    for i in range(6):
+        pub(numbered(i))
+        if i < len(bad):
+            with pytest.raises(WireFormatError, match="receivers would reject this message") as info:
+                pub(bad[i])
+            assert info.value.reason == "encode"
+    pub(RunEnd("run-a", 6, 6, 4, "cpu"))
+    items = reader.result()
+    pub.close(timeout=5)
+    assert not any(isinstance(item, Gap) for item in items), items
+    assert _walk(items, 6, check_numbered) == list(range(6))
+    stats = pub.statistics()
+    assert (stats.messages, stats.drops) == (7, 0)
+    assert sub.statistics().missing == 0
