@@ -150,8 +150,10 @@ def hello_subscription(subscriber: str, max_message_size: int) -> bytes:
 
 
 def _parse_hello(body: bytes) -> tuple[bytes, int | None]:
+    """A hello's subscriber id and size limit (``None``: no limit, also for a size that is not
+    a positive decimal int of at most 19 digits, which no message reaches)."""
     ident, _, size = body[len(SUBSCRIBER_HELLO):].partition(b"/")
-    return ident, int(size) if size.isdigit() and int(size) > 0 else None
+    return ident, int(size) if size.isdigit() and len(size) <= 19 and int(size) > 0 else None
 
 
 @dataclass(frozen=True, slots=True)

@@ -685,3 +685,41 @@ def test_a_message_receivers_would_reject_is_refused_at_publish_and_numbers_noth
     stats = pub.statistics()
     assert (stats.messages, stats.drops) == (7, 0)
     assert sub.statistics().missing == 0
+
+
+@pytest.mark.parametrize("hello", [
+    b"odd/" + b"9" * 4000,        # near the publisher's inbound limit (4096 bytes a subscription)
+    b"odd/" + b"9" * 25,          # larger than any message
+    b"odd/0", b"odd/-5", b"odd/1e9", b"odd", b"", b"\xff\xfe/", b"/" * 300,
+])
+def test_a_malformed_subscriber_hello_neither_stops_the_publisher_nor_costs_a_message(
+        hello: bytes, make_pub: MakePub, make_sub: MakeSub, free_endpoint: Callable[[], str],
+        numbered: Numbered, check_numbered: Check) -> None:
+    """The publisher's sender thread parses every subscriber's hello: a peer (a raw SUB here)
+    that announces itself wrongly is taken as a subscriber without a size limit, and a real
+    subscriber beside it receives every batch, byte-exact. A parse that raised would stop the
+    sender thread and lose everything after it; one that read a size from garbage would make
+    the publisher drop every message as too large."""
+    pub = make_pub(free_endpoint())
+    ctx = zmq.Context()
+    raw = ctx.socket(zmq.SUB)
+    try:
+        raw.connect(pub.endpoints[0])
+        raw.setsockopt(zmq.SUBSCRIBE, SUBSCRIBER_HELLO + hello)
+        raw.setsockopt(zmq.SUBSCRIBE, b"batch/")
+        sub = make_sub(pub.endpoints[0])
+        pub.wait_for_subscribers(2, timeout=10)
+        reader = _Reader(sub)
+        reader.start()
+        for i in range(4):
+            pub(numbered(i))
+        pub(RunEnd("run-a", 4, 4, 4, "cpu"))
+        items = reader.result()
+        raw.setsockopt(zmq.UNSUBSCRIBE, SUBSCRIBER_HELLO + hello)  # leaves: close() awaits only `sub`
+        pub.close(timeout=10)
+    finally:
+        raw.close(linger=0)
+        ctx.term()
+    assert _walk(items, 4, check_numbered) == [0, 1, 2, 3]
+    stats = pub.statistics()
+    assert (stats.messages, stats.drops, stats.failed, stats.oversized) == (5, 0, 0, 0)
