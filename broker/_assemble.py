@@ -18,7 +18,19 @@ from typing import TYPE_CHECKING, Any, Final, TypeVar, cast, get_args
 import numpy as np
 
 from .errors import WireFormatError
-from .messages import A, Batch, EpisodeEnd, FieldSpec, Hook, MessageOf, Phase, RunEnd, RunStart, VariationSample
+from .messages import (
+    RESERVED_OUTCOMES,
+    A,
+    Batch,
+    EpisodeEnd,
+    FieldSpec,
+    Hook,
+    MessageOf,
+    Phase,
+    RunEnd,
+    RunStart,
+    VariationSample,
+)
 from .schema import Array, dtype_name
 
 if TYPE_CHECKING:
@@ -189,6 +201,9 @@ def assemble(topic: str, kind: str, head: dict[str, Any], own: dict[str, A], fie
             if not name or t.ndim != 1 or t.shape[0] != n:
                 raise fail("schema", f"topic {topic!r} outcome {shown(name)}: expected a non-empty name "
                                      f"and a tensor of shape ({n},), got shape {tuple(t.shape)}")
+            if name in RESERVED_OUTCOMES:
+                raise fail("schema", f"topic {topic!r} outcome {name!r}: the name of a column episode tables "
+                                     f"hold already (reserved: {', '.join(sorted(RESERVED_OUTCOMES))})")
         return EpisodeEnd(run, seq, step, worlds, own["episodes"], own["success"], own["terminated"],
                           own["truncated"], own["length"], topic, outcomes=fields)
     key, phase = head.get("key"), head.get("phase")

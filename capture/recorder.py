@@ -26,7 +26,7 @@ from broker import (
     batch_topic,
 )
 from broker import SchemaError as BrokerSchemaError
-from broker.messages import Hook
+from broker.messages import RESERVED_OUTCOMES, Hook
 
 from .errors import RecorderClosedError, SchemaError, TermError
 from .selectors import CHECK_MODES, CheckMode, WorldsCheck, WorldSelector, normalize_worlds
@@ -426,7 +426,8 @@ class Recorder:
         When every world is selected the two lengths agree and the flags are read in the
         selector's order.
 
-        ``outcomes`` maps a name (non-empty, no ``/`` or whitespace) to extra numeric episode
+        ``outcomes`` maps a name (non-empty, no ``/`` or whitespace, not one of
+        :data:`broker.messages.RESERVED_OUTCOMES`, which receivers reject) to extra numeric episode
         outcomes (e.g. ``{"return": returns}``): a number for every selected world, or a 1-D
         numeric (bool, integer or float) tensor, numpy array or sequence of length
         ``len(worlds)`` or ``num_worlds``, read like the flags. They are published in
@@ -549,6 +550,9 @@ class Recorder:
                 f"outcomes: expected names that are non-empty strings without '/' or whitespace, "
                 f"got {name!r}"
             )
+        if name in RESERVED_OUTCOMES:  # the episode tables' own columns: receivers reject it
+            raise ValueError(f"outcomes: {name!r} is reserved for a column episode tables hold already "
+                             f"(reserved: {', '.join(sorted(RESERVED_OUTCOMES))}); choose another name")
         return name
 
     def _outcome(self, name: str, value: object, idx: torch.Tensor) -> torch.Tensor:

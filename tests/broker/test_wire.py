@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import msgpack
 import numpy as np
 import pytest
@@ -524,3 +526,21 @@ def test_encode_refuses_declarations_receivers_would_reject() -> None:
     assert isinstance(back, RunEnd)
     assert back.variations == {"c": {"kind": "choice", "phase": "runtime", "shape": [], "seed": 1,
                                      "labels": ["a", "b"]}}
+
+
+@pytest.mark.parametrize("name", ["success", "length", "world"])
+def test_an_outcome_named_as_an_episode_column_is_rejected_and_not_encoded(name: str) -> None:
+    """``RESERVED_OUTCOMES`` name the columns episode tables hold already. Before, the decoder
+    took an outcome named so and the encoder sent one: each store then rejected the whole
+    episode end, and the episodes it ended were never stored."""
+    ones = torch.ones(2, dtype=torch.bool)
+    end = EpisodeEnd("r", 0, 0, W, E, ones, ones, ~ones, torch.full((2,), 3), outcomes={"ret": torch.zeros(2)})
+    frames = _bytes(encode(end))
+    head = msgpack.unpackb(frames[1])
+    head["outcomes"][0][0] = name
+    with pytest.raises(WireFormatError, match=rf"outcome '{name}': the name of a column episode tables hold") as info:
+        decode([frames[0], msgpack.packb(head), *frames[2:]])
+    assert info.value.reason == "schema"
+    with pytest.raises(WireFormatError, match=r"receivers would reject this message \(schema\)") as info:
+        encode(dataclasses.replace(end, outcomes={name: torch.zeros(2)}))
+    assert info.value.reason == "encode"

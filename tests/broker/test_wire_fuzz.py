@@ -49,6 +49,7 @@ from broker import (
     WireFormatError,
     encode,
 )
+from broker.messages import RESERVED_OUTCOMES
 from broker.wire import (
     DEFAULT_MAX_MESSAGE_SIZE,
     DTYPES,
@@ -466,6 +467,7 @@ def check_contract(decoded: Decoded, frames: list[bytes]) -> None:
         for name, t in m.outcomes.items():
             assert isinstance(name, str), f"outcome name {name!r}"
             assert name, "empty outcome name"
+            assert name not in RESERVED_OUTCOMES, f"outcome named as an episode column: {name!r}"
             _vector(t, t.dtype, n)
             _tensor_ok(t, n)
         fields = m.outcomes

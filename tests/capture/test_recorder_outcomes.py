@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
 
 from broker import Broker, EpisodeEnd, Message
-from capture import Recorder
+from capture import FunctionTerm, Recorder
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -89,6 +91,9 @@ def test_no_outcomes_publishes_an_empty_mapping() -> None:
         ({"r": [[1.0], [1.0, 2.0]]}, r"outcomes\['r'\]: expected a number"),
         ({"r": None}, r"got NoneType of dtype object"),
         ([("r", 1.0)], r"outcomes: expected a mapping of name -> values"),
+        # reserved: before, taken here and rejected by every store, which then lost the episode
+        ({"success": 1.0}, r"outcomes: 'success' is reserved for a column episode tables hold already"),
+        ({"r": 1.0, "length": 2.0}, r"outcomes: 'length' is reserved"),
     ],
 )
 def test_bad_outcomes_are_refused_and_nothing_is_recorded(outcomes: object, match: str) -> None:
@@ -110,3 +115,37 @@ def test_outcomes_are_published_on_the_recorders_device() -> None:
     for name, value in _ends(messages)[0].outcomes.items():
         assert value.device.type == "cuda", name
         assert value.dtype == torch.float64, name
+
+
+def test_an_outcome_named_as_a_column_is_refused_and_no_episode_is_lost(tmp_path: Path) -> None:
+    """Bug: ``outcomes={"success": ...}`` was published; the store daemon rejected that episode
+    end (its table holds a ``success`` column already), so both worlds' episodes were never
+    ended: the run stored 0 of its 4 episodes (2 incomplete) and the caller learnt nothing.
+    Now the call raises and ends nothing; the caller's next end stores each episode whole."""
+    from storage import RunStore, StoreDaemon
+
+    broker = Broker(strict=True)
+    daemon = StoreDaemon(tmp_path / "runs.zarr", commit_interval=0.0)
+    broker.subscribe("", daemon.handle)
+    recorder = Recorder(2, "cpu", broker, run="r")
+    x = torch.zeros(2, 1)
+    recorder.add_term("t", FunctionTerm(post_step=lambda: {"x": x}))
+    for step in range(6):
+        x.fill_(step)
+        recorder.record_post_step()
+        if step == 2:
+            with pytest.raises(ValueError, match="'success' is reserved"):
+                recorder.record_pre_reset([0, 1], success=True, outcomes={"success": [1.0, 0.0]})
+            recorder.record_pre_reset([0, 1], success=True, outcomes={"score": [1.0, 0.0]})
+    recorder.record_pre_reset([0, 1])
+    recorder.close()
+    assert dict(daemon.statistics().rejected) == {}
+    daemon.close()
+    store = RunStore(tmp_path / "runs.zarr")
+    rows = store.episodes("r").rows()
+    assert [(r["world"], r["index"], r["length"], r["success"]) for r in rows] == [
+        (0, 0, 3, True), (1, 0, 3, True), (0, 1, 3, False), (1, 1, 3, False)]
+    for r in rows:
+        want = np.arange(3, 6) if r["index"] else np.arange(3)
+        np.testing.assert_array_equal(store.episode("r", r["world"], r["index"])["t/x"].ravel(),
+                                      want.astype(np.float32))
