@@ -11,6 +11,7 @@ rejected): a publisher's caller learnt nothing of a batch whose field had one ro
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -21,6 +22,9 @@ from hypothesis import strategies as st
 
 from broker import Batch, EpisodeEnd, Message, VariationSample, WireFormatError, encode, wire
 from broker.wire import HeaderCache, decode_envelope, message_tensors
+
+EXAMPLES = int(os.environ.get("WORLDTAP_FUZZ_EXAMPLES", "400"))
+"""Examples a run of the fuzz test tries (a larger campaign: ``WORLDTAP_FUZZ_EXAMPLES=20000``)."""
 
 ROWS = 3
 _BAD_NUMBERS = [-1, 2**63, True, 1.0]
@@ -48,7 +52,7 @@ def _field(draw: st.DrawFn, n: int = ROWS) -> torch.Tensor:
 def _message(draw: st.DrawFn) -> Message:
     kind = draw(st.sampled_from(["batch", "episode_end", "variation"]))
     worlds, episodes = _vector(draw, torch.int64), _vector(draw, torch.int64)
-    names = st.sampled_from(["x", "y", "", "é"])
+    names = st.sampled_from(["x", "y", "", "é", "success", "length"])
     message: Message
     if kind == "batch":
         fields = {draw(names): _field(draw) for _ in range(draw(st.integers(0, 3)))}
@@ -106,7 +110,7 @@ _CACHE = HeaderCache(size=8)
 ones of the same shape, as they would in a run."""
 
 
-@settings(max_examples=400, deadline=None)
+@settings(max_examples=EXAMPLES, deadline=None)
 @given(message=_message(), version=st.sampled_from([1, 2]))
 def test_encode_refuses_exactly_what_receivers_reject(message: Message, version: int) -> None:
     received: Any = _outcome(lambda: decode_envelope(_unchecked(message, version)))

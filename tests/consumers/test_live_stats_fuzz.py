@@ -7,6 +7,7 @@ summary, its subsampling included, is exactly that of one that never saw it."""
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import numpy as np
@@ -17,6 +18,9 @@ from hypothesis import strategies as st
 
 from broker import Batch, EpisodeEnd
 from consumers import LiveStatistics, LiveSummary
+
+EXAMPLES = int(os.environ.get("WORLDTAP_FUZZ_EXAMPLES", "150"))
+"""Examples a run of the fuzz test tries (a larger campaign: ``WORLDTAP_FUZZ_EXAMPLES=20000``)."""
 
 WORLDS = 6
 
@@ -87,7 +91,7 @@ def _probe(stats: LiveStatistics, batch: Batch[torch.Tensor]) -> str:
     return ""
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=EXAMPLES, deadline=None)
 @given(messages=st.lists(st.one_of(_batch(), _episode_end()), min_size=1, max_size=12),
        every=st.integers(1, 3))
 def test_only_documented_errors_escape_and_a_refused_message_changes_nothing(messages: list[Any],

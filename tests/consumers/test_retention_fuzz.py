@@ -6,6 +6,7 @@ consumer holds exactly what one that never saw it holds."""
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import pytest
@@ -15,6 +16,9 @@ from hypothesis import strategies as st
 
 from broker import Batch, EpisodeEnd
 from consumers import Retention, RetentionError
+
+EXAMPLES = int(os.environ.get("WORLDTAP_FUZZ_EXAMPLES", "200"))
+"""Examples a run of the fuzz test tries (a larger campaign: ``WORLDTAP_FUZZ_EXAMPLES=20000``)."""
 
 WORLDS = 4
 _HOOKS = ["post_step", "post_reset"]
@@ -65,7 +69,7 @@ def _held(r: Retention) -> Any:
     return episodes, dict(r.capacity), stats.batches, stats.episodes_finished, stats.topics
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=EXAMPLES, deadline=None)
 @given(messages=st.lists(_message(), min_size=1, max_size=14))
 def test_only_documented_errors_escape_and_a_refused_message_changes_nothing(messages: list[Any]) -> None:
     retention, reference = Retention(num_worlds=WORLDS, initial_capacity=2), \

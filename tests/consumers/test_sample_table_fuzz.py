@@ -7,6 +7,7 @@ and no message with a world outside the run is accepted."""
 from __future__ import annotations
 
 import math
+import os
 from typing import Any
 
 import numpy as np
@@ -18,6 +19,9 @@ from hypothesis import strategies as st
 from broker import EpisodeEnd, RunStart, VariationSample
 from consumers.errors import SampleTableError
 from consumers.sample_table import MAX_WORLDS_UNSEEN, SampleTable
+
+EXAMPLES = int(os.environ.get("WORLDTAP_FUZZ_EXAMPLES", "150"))
+"""Examples a run of the fuzz test tries (a larger campaign: ``WORLDTAP_FUZZ_EXAMPLES=20000``)."""
 
 WORLDS = 6
 RUN = "r"
@@ -94,7 +98,7 @@ def _outside(message: Any, bound: int) -> bool:
 
 
 @pytest.mark.parametrize("run_start", [True, False], ids=["run-start", "joined-late"])
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=EXAMPLES, deadline=None)
 @given(messages=st.lists(_message(), min_size=1, max_size=12))
 def test_only_documented_errors_escape_and_a_rejected_message_changes_nothing(
         run_start: bool, messages: list[Any]) -> None:
