@@ -253,6 +253,9 @@ def _check_path(path: str, key: str) -> None:
     if any(part in ("", ".") for part in path.split("/")):
         raise ExportError(f"{key}: key path {path!r} has an empty or '.' component; name it with "
                           f"--rename {key}=PATH")
+    if "\x00" in path:  # HDF5 ends a name at its first NUL: 'x\x00y' would be written as 'x'
+        raise ExportError(f"{key!r}: key path {path!r} holds a NUL character, which HDF5 names cannot; "
+                          f"name it with --rename")
 
 
 def _hdf5_plan(specs: Mapping[str, Mapping[str, Any]], *, fields: Sequence[str] | None,
@@ -619,6 +622,9 @@ def _tree(specs: Mapping[str, Mapping[str, Any]], source: str, role: str) -> Tre
     for field in under:
         node = tree
         keys = field[len(path) + 1:].split("/")
+        if any("\x00" in key for key in keys):  # Minari's HDF5 would end the key at the NUL
+            raise ExportError(f"{role}: field {term}/{field!r} would be a Dict space key holding a NUL "
+                              f"character, which Minari's HDF5 names cannot")
         for key in keys[:-1]:
             child = node.setdefault(key, {})
             if not isinstance(child, dict):

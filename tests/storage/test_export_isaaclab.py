@@ -453,6 +453,7 @@ def test_mapping_errors_name_the_fields(recorded: tuple[Path, Path], tmp_path: P
         ({"fields": ["nope/*"]}, "'nope/*' matches no field"),
         ({"rename": {"nope/x": "y"}}, "'nope/x' is not a selected field"),
         ({"rename": {"actions/actions": "a//b"}}, "empty or '.' component"),
+        ({"rename": {"actions/actions": "a\x00b"}}, "holds a NUL character, which HDF5 names cannot"),
     ]
     for kwargs, message in cases:
         with pytest.raises(ExportError, match=re.escape(message)):
@@ -585,3 +586,31 @@ def test_cli(recorded: tuple[Path, Path], tmp_path: Path, capsys: pytest.Capture
     assert cli_main([*argv, "--overwrite", "--quiet", "--episodes", "failed"]) == 0
     assert capsys.readouterr().err.count("\n") == 1  # the summary line only
     assert_same_as_isaaclab(out, reference / "failed.hdf5")
+
+
+@pytest.mark.parametrize("beside", [False, True])
+def test_a_field_name_holding_nul_is_refused_unless_renamed(tmp_path: Path, beside: bool) -> None:
+    """Bug: HDF5 ends a name at its first NUL, so a field ``x\\x00y`` was exported as dataset
+    ``x`` with nothing said, and beside a field ``x`` the export failed with h5py's "name
+    already exists". Now it is refused, naming the field, and exports under a name given with
+    ``rename``, byte-exact."""
+    broker = Broker(strict=True)
+    daemon = StoreDaemon(tmp_path / "s.zarr", commit_interval=0.0)
+    broker.subscribe("", daemon.handle)
+    recorder = Recorder(2, "cpu", broker, run="r")
+    x = torch.zeros(2, 1)
+    recorder.add_term("t", FunctionTerm(post_step=lambda: {"x\x00y": x + 5, **({"x": x} if beside else {})}))
+    for step in range(3):
+        x.fill_(step)
+        recorder.record_post_step()
+    recorder.record_pre_reset([0, 1])
+    recorder.close()
+    daemon.close()
+    out = tmp_path / "out.hdf5"
+    with pytest.raises(ExportError, match=re.escape("'t/x\\x00y': key path 'x\\x00y' holds a NUL character")):
+        export_isaaclab_hdf5(tmp_path / "s.zarr", "r", out)
+    assert not out.exists()
+    export_isaaclab_hdf5(tmp_path / "s.zarr", "r", out, rename={"t/x\x00y": "x_y"})
+    with h5py.File(out) as f:
+        assert sorted(f["data/demo_0"]) == (["x", "x_y"] if beside else ["x_y"])
+        np.testing.assert_array_equal(f["data/demo_1/x_y"][:], np.array([[5.0], [6.0], [7.0]], np.float32))

@@ -362,3 +362,37 @@ def test_cli(cartpole: tuple[Path, list[Episode]], root: Path, capsys: pytest.Ca
             export_minari(store, "cartpole", "x-v0", root=root)
     assert cli_main([*argv[:-2], "--overwrite", "--quiet"]) == 0
     assert_episodes(minari.load_dataset("cli-v0"), episodes)
+
+
+@pytest.mark.parametrize("beside", [False, True])
+def test_a_dict_key_holding_nul_is_refused(tmp_path: Path, root: Path, beside: bool) -> None:
+    """Bug: HDF5 ends a name at its NUL. A field ``obs/a\\x00b`` alone was exported as a Dict
+    space whose episodes Minari could not read (``iterate_episodes``: ``KeyError: 'a'``);
+    beside ``obs/a`` the export failed deep in Minari's writer ("Can't broadcast (4, 2) -> (4,
+    1)"). Now the export is refused, naming the field, and leaves no dataset."""
+    broker = Broker(strict=True)
+    daemon = StoreDaemon(tmp_path / "s.zarr", commit_interval=0.0)
+    broker.subscribe("", daemon)
+    rec = Recorder(2, broker=broker, run="r")
+
+    def obs(n: int) -> dict[str, torch.Tensor]:
+        return {"obs/a\x00b": torch.zeros(n, 2), **({"obs/a": torch.ones(n, 1)} if beside else {})}
+
+    rec.add_term("begin", FunctionTerm(post_reset=lambda ids: obs(len(ids))))
+    rec.add_term("act", FunctionTerm(pre_step=lambda: {"action": torch.zeros(2, 1)}))
+    rec.add_term("after", FunctionTerm(post_step=lambda: {**obs(2), "reward": torch.ones(2)}))
+    try:
+        rec.record_post_reset(None)
+        for _ in range(3):
+            rec.record_pre_step()
+            rec.record_post_step()
+        rec.record_pre_reset([0, 1])
+        rec.close()
+    finally:
+        daemon.close()
+        broker.close()
+    with pytest.raises(ExportError, match=r"observations: field begin/'obs/a\\x00b' would be a Dict space key "
+                                          r"holding a NUL character"):
+        export_minari(tmp_path / "s.zarr", "r", "nul-v0", root=root, observations=["begin/obs", "after/obs"],
+                      actions="act/action", rewards="after/reward")
+    assert not root.exists() or sorted(root.iterdir()) == []
