@@ -325,9 +325,6 @@ _ROWS: Final = -2
 _VERSION: Final = -3
 """Places in a template's chunks for the packed :data:`_VARYING` values, the row count and the
 protocol version."""
-_COUNTS: Final = 1 << 63
-"""Header counts (``seq``, ``step``, ...) are ints in ``[0, _COUNTS)`` (msgpack's uint64, as
-int64 would have them)."""
 _PACKED_VERSIONS: Final[dict[int, bytes]] = {v: msgpack.packb(v) for v in PROTOCOL_VERSIONS}
 
 
@@ -416,8 +413,7 @@ class HeaderTemplate:
             WireFormatError: (reason ``"encode"``) a value msgpack cannot carry (an int of 2**64
                 or more or below -2**63, an object msgpack does not know).
         """
-        if not (isinstance(run, str) and type(seq) is int and type(step) is int
-                and 0 <= seq < _COUNTS and 0 <= step < _COUNTS):
+        if not (isinstance(run, str) and _is_count(seq) and _is_count(step)):  # as receivers check them
             raise _fail("encode", f"topic {self._topic!r}: receivers would reject this message (header): "
                                   f"run must be a str and seq and step ints in [0, 2**63), got "
                                   f"{shown(run)}, {shown(seq)} and {shown(step)}")

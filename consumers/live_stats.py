@@ -653,8 +653,8 @@ class LiveStatistics:
         for f, t in zip(names, tensors, strict=True):
             shape = t.shape
             if not shape or shape[0] != n:
-                raise ValueError(f"field {term}/{f!r}: shape {tuple(shape)}, expected one row per world "
-                                 f"of the batch ({n} rows)")
+                raise ValueError(f"field {f'{term}/{f}'!r}: shape {tuple(shape)}, expected one row per "
+                                 f"world of the batch ({n} rows)")
             layout.append((f, t.dtype, shape[1:], t.device))
         key = tuple(layout)
         plan = self._plans.get(key) if tensors else None

@@ -143,7 +143,7 @@ def test_a_field_whose_rows_are_not_the_worlds_is_refused(rows: int) -> None:
     stats = LiveStatistics()
     w, e = torch.arange(2), torch.zeros(2, dtype=torch.int64)
     stats(Batch("r", 0, 0, "batch/t", w, e, {"x": torch.zeros(2, 3)}))
-    with pytest.raises(ValueError, match=rf"field t/.x.: shape \({rows}, 3\), expected one row per world of the batch \(2 rows\)"):
+    with pytest.raises(ValueError, match=rf"field 't/x': shape \({rows}, 3\), expected one row per world of the batch \(2 rows\)"):
         stats(Batch("r", 0, 0, "batch/t", w, e, {"x": torch.full((rows, 3), 9.0)}))
     x = stats.summary().fields["t/x"]
     assert (x.count, x.max.tolist()) == (2, [0.0] * 3)
