@@ -53,7 +53,8 @@ def _parser() -> argparse.ArgumentParser:
                      help="a publisher or proxy endpoint to subscribe to (live); repeatable")
     p.add_argument("--run", help="run id (offline: required when the store holds several runs; "
                    "live: default the first run heard from)")
-    p.add_argument("--out", metavar="DIR", help="output folder (default ./runs/sensitivity/<run>)")
+    p.add_argument("--out", metavar="DIR", help="output folder (default ./runs/sensitivity/<run>, the run id "
+                   "percent-encoded as one folder name)")
     p.add_argument("--outputs", help="comma-separated outcome columns (default: every one that varies, "
                    "terminated and truncated excepted)")
     p.add_argument("--methods", default=",".join(DEFAULT_METHODS),
@@ -185,9 +186,9 @@ def _offline(args: argparse.Namespace, out: _Out) -> int:
     analysis = analyze(arrays, declarations, run=run, outputs=_split(args.outputs),
                        methods=_split(args.methods) or [], seed=args.seed,
                        resamples=args.resamples, bins=args.bins, progress=out.status)
-    from .report import write_outputs
+    from .report import default_folder, write_outputs
 
-    folder = Path(args.out) if args.out else Path("runs") / "sensitivity" / run
+    folder = Path(args.out) if args.out else default_folder(run)
     out.status(f"writing {folder}")
     paths = write_outputs(analysis, folder)
     out.table(analysis)

@@ -85,7 +85,9 @@ def run_live(
 
     Args:
         endpoint: Where the publisher (or proxy) is; the subscriber connects.
-        out: Output folder; ``None``: ``./runs/sensitivity/<run>``.
+        out: Output folder; ``None``: ``./runs/sensitivity/<run>``
+            (:func:`consumers.sensitivity.report.default_folder`: the run id, which the
+            publisher chose, as one folder name).
         run: Analyse this run id; ``None``: the first run heard from (others are ignored).
         every: Recompute after this many new episodes.
         outputs, methods, seed, resamples, bins, fractions: As
@@ -194,9 +196,9 @@ def run_live(
     result.arrays = table.arrays()
     final = analyze(result.arrays, declarations, run=result.run, progress=say, **kwargs)
     result.analysis = final
-    folder = Path(out) if out is not None else Path("runs") / "sensitivity" / str(result.run)
-    from .report import write_outputs
+    from .report import default_folder, write_outputs
 
+    folder = Path(out) if out is not None else default_folder(str(result.run))
     result.paths = write_outputs(final, folder)
     say(f"wrote {folder}")
     if on_result is not None:

@@ -12,8 +12,10 @@ numbers (a method that does not fit) are empty in the CSV and ``null`` in the JS
 from __future__ import annotations
 
 import csv
+import hashlib
 import json
 import math
+import urllib.parse
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Final
@@ -21,7 +23,7 @@ from typing import Any, Final
 from ._deps import require
 from .analysis import DUMMY, Analysis, IndexRow, dummy_seed
 
-__all__ = ["FILES", "render_table", "to_json", "write_outputs"]
+__all__ = ["FILES", "default_folder", "render_table", "to_json", "write_outputs"]
 
 FILES: Final = ("indices.csv", "indices.json", "rates.csv", "sensitivity.png", "convergence.png")
 _COLUMNS: Final = ("factor", "output", "method", "index", "ci_low", "ci_high", "influential",
@@ -90,6 +92,20 @@ def _write_csv(path: Path, columns: tuple[str, ...] | list[str], rows: list[dict
         for row in rows:
             writer.writerow({c: _csv_value(row[c]) for c in columns})
     tmp.replace(path)
+
+
+def default_folder(run: str) -> Path:
+    """``runs/sensitivity/<run>``, the outputs' folder when none is given, with the run id as
+    one path component that stays inside ``runs/sensitivity`` whatever the id (a publisher
+    chooses it): percent-encoded (``urllib.parse.quote``; a plain id such as ``run-a`` is kept
+    as it is, ``/etc`` is ``%2Fetc``), a leading ``.`` as ``%2E``, and an id longer than 120
+    characters encoded cut, with a hash of the whole id."""
+    name = urllib.parse.quote(run, safe="", errors="surrogatepass")
+    if name.startswith("."):  # ".", ".." and hidden folders
+        name = "%2E" + name[1:]
+    if len(name) > 120:
+        name = f"{name[:100]}~{hashlib.sha256(run.encode('utf-8', 'surrogatepass')).hexdigest()[:16]}"
+    return Path("runs") / "sensitivity" / name
 
 
 def write_outputs(analysis: Analysis, out: str | Path) -> dict[str, Path]:

@@ -432,3 +432,40 @@ def test_exported_surface_and_lazy_imports() -> None:
             "heavy = [m for m in ('SALib', 'matplotlib', 'rich') if m in sys.modules]\n"
             "assert not heavy, heavy\n")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def test_the_default_folder_keeps_any_run_id_inside_runs_sensitivity(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """Bug: without ``--out`` the outputs went to ``runs/sensitivity/<run id>`` as a path, and
+    the publisher chooses the run id: ``../../escaped`` wrote outside ``runs/``, an absolute id
+    wrote (and overwrote) files wherever it named, in offline and in live mode. Now the id is
+    one folder name under ``runs/sensitivity``."""
+    from storage import StoreDaemon
+
+    outside = tmp_path / "outside"
+    runs = ["../../escaped", str(outside), "..", "plain-run_1.x"]
+    with Broker(strict=True) as broker:
+        daemon = StoreDaemon(tmp_path / "runs.zarr")
+        try:
+            broker.subscribe("", daemon)
+            for i, run in enumerate(runs):
+                publish_run(broker, run=run, seed=i, worlds=16, episodes=200)
+        finally:
+            daemon.close()
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    for run in runs:
+        assert main(["--store", str(tmp_path / "runs.zarr"), "--run", run, "--quiet", "--resamples", "10"]) == 0
+    capsys.readouterr()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["runs.zarr", "work"]  # nothing outside
+    assert sorted(p.name for p in work.iterdir()) == ["runs"]
+    assert sorted(p.name for p in (work / "runs").iterdir()) == ["sensitivity"]
+    from consumers.sensitivity.report import FILES, default_folder
+
+    folders = [default_folder(run) for run in runs]
+    assert sorted(p.name for p in (work / "runs" / "sensitivity").iterdir()) == sorted(f.name for f in folders)
+    for folder in folders:
+        assert folder.parent == Path("runs/sensitivity")
+        assert sorted(p.name for p in (work / folder).iterdir()) == sorted(FILES)
+    assert folders[-1].name == "plain-run_1.x"  # a plain id reads as itself

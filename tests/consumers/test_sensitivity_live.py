@@ -273,3 +273,26 @@ def test_a_message_that_does_not_fit_the_run_is_left_out_and_counted(
     assert theirs is not None
     assert theirs.x.tobytes() == mine.x.tobytes()
     assert theirs.y.tobytes() == mine.y.tobytes()
+
+
+def test_a_run_id_that_is_a_path_writes_inside_runs_sensitivity(
+        publisher: ZmqPublisher, background: Callable[..., Background], tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Bug: without ``out`` the live outputs went to ``runs/sensitivity/<run id>`` as a path, the
+    run id as the remote publisher sent it: ``../../escaped-live`` wrote outside ``runs/``."""
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    live = background(endpoint=publisher.endpoints[0], every=10_000, outputs=["success"], resamples=10,
+                      fractions=())
+    publisher.wait_for_subscribers(1, timeout=20)
+    with Broker(strict=True) as broker:
+        broker.subscribe("", publisher)
+        publish_run(broker, run="../../escaped-live", worlds=16, episodes=200)
+    publisher.close(timeout=20)
+    result = live.join(120)
+    assert result.run == "../../escaped-live"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["work"]
+    folder = work / "runs" / "sensitivity" / "%2E.%2F..%2Fescaped-live"
+    assert sorted(p.parent for p in result.paths.values()) == [Path("runs/sensitivity/%2E.%2F..%2Fescaped-live")] * 5
+    assert sorted(p.name for p in folder.iterdir()) == sorted(result.paths)
