@@ -31,6 +31,7 @@ whatever the number of fields.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -391,10 +392,11 @@ class RunStore:
         Raises:
             EpisodeNotFoundError: No committed episode ``(run, world, index)``.
             StoreDamagedError: Part of the episode is missing or corrupt in the store.
+            TypeError: ``world`` or ``index`` is not an int.
         """
         # the bulk path for one episode: each array's chunks fetched at once (concurrently
         # from an object store), the run's episode index read once per refresh
-        rows = self._locate(run, np.array([world], np.int64), np.array([index], np.int64))
+        rows = self._locate(run, *self._key(run, world, index))
         data, offsets = self._gather(run, rows, self._fields(run, None), None, None)
         return {name: values[offsets[name][0]:offsets[name][1]] for name, values in data.items()}
 
@@ -409,8 +411,9 @@ class RunStore:
         Raises:
             EpisodeNotFoundError: No committed episode ``(run, world, index)``.
             StoreDamagedError: Part of the episode is missing or corrupt in the store.
+            TypeError: ``world`` or ``index`` is not an int.
         """
-        rows = self._locate(run, np.array([world], np.int64), np.array([index], np.int64))
+        rows = self._locate(run, *self._key(run, world, index))
         topics = self._meta[run]["topics"]
         data, _ = self._gather(run, rows, {t: [STEP_NODE, HOOK_NODE] for t in topics}, None, None,
                                row_columns=True)
@@ -658,6 +661,22 @@ class RunStore:
             order = np.argsort(keys, kind="stable")
             self._indexes[r] = _Index(ep["world"], ep["index"], keys[order], order, ep["segment_start"],
                                       ep["segment_count"], seg["topic"], seg["offset"], seg["rows"])
+
+    def _key(self, run: str, world: Any, index: Any) -> tuple[np.ndarray, np.ndarray]:
+        """``(world, index)`` of one episode as the int64 arrays :meth:`_locate` takes.
+
+        Raises:
+            TypeError: ``world`` or ``index`` is not an int (a float or a str is not taken as one).
+            EpisodeNotFoundError: One of them lies outside int64 (no episode has it).
+        """
+        try:
+            key = operator.index(world), operator.index(index)
+        except TypeError:
+            raise TypeError(f"world and index: expected ints, got {world!r} and {index!r}") from None
+        if not all(-(1 << 63) <= v < 1 << 63 for v in key):
+            raise EpisodeNotFoundError(f"run {run!r} has no committed episode with world={key[0]} "
+                                       f"index={key[1]} in store {self.location!r}")
+        return np.array([key[0]], np.int64), np.array([key[1]], np.int64)
 
     def _locate(self, run: str, world: np.ndarray, index: np.ndarray) -> np.ndarray:
         """Episode-table rows of the committed episodes ``(world[i], index[i])`` (the last

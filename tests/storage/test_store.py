@@ -101,6 +101,16 @@ def test_filters_and_errors(broker: Broker) -> None:
         reader.episodes("missing")
     with pytest.raises(EpisodeNotFoundError, match="no committed episode with world=0 index=999"):
         reader.episode("run-a", 0, 999)
+    # Before: a world of 2**70 raised numpy's OverflowError, and "0" or 0.9 read world 0's episode.
+    for read in (reader.episode, reader.episode_rows):
+        with pytest.raises(EpisodeNotFoundError, match=r"no committed episode with world=1180591620717411303424 "):
+            read("run-a", 2**70, 0)
+        with pytest.raises(EpisodeNotFoundError, match="no committed episode with world=0 index=-1"):
+            read("run-a", 0, -1)
+        for world in ("0", 0.9, None):
+            with pytest.raises(TypeError, match=r"world and index: expected ints, got"):
+                read("run-a", world, 0)  # type: ignore[arg-type]
+    assert reader.episode("run-a", np.int64(0), True).keys() == reader.episode("run-a", 0, 1).keys()
 
 
 def test_not_a_run_store(tmp_path: Path) -> None:
