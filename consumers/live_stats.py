@@ -637,9 +637,8 @@ class LiveStatistics:
                 if t.dim() != 1 or t.shape[0] != n:
                     raise ValueError(f"episode end: {name} has {t.numel()} values for {n} worlds "
                                      f"(shape {tuple(t.shape)}, expected ({n},))")
-            successes = self._successes + message.success.sum()
-            self._lengths = self._lengths + message.length.sum()
-            self._successes = successes
+            successes, lengths = self._successes + message.success.sum(), self._lengths + message.length.sum()
+            self._successes, self._lengths = successes, lengths
             self._episodes += n
 
     def _batch(self, batch: Batch) -> None:

@@ -674,9 +674,12 @@ class RunStore:
         except TypeError:
             raise TypeError(f"world and index: expected ints, got {world!r} and {index!r}") from None
         if not all(-(1 << 63) <= v < 1 << 63 for v in key):
-            raise EpisodeNotFoundError(f"run {run!r} has no committed episode with world={key[0]} "
-                                       f"index={key[1]} in store {self.location!r}")
+            raise self._missing(run, *key)
         return np.array([key[0]], np.int64), np.array([key[1]], np.int64)
+
+    def _missing(self, run: str, world: int, index: int) -> EpisodeNotFoundError:
+        return EpisodeNotFoundError(f"run {run!r} has no committed episode with world={world} "
+                                    f"index={index} in store {self.location!r}")
 
     def _locate(self, run: str, world: np.ndarray, index: np.ndarray) -> np.ndarray:
         """Episode-table rows of the committed episodes ``(world[i], index[i])`` (the last
@@ -690,8 +693,7 @@ class RunStore:
         rows = _find(idx.keys, idx.order, _keys(world, index))
         if len(rows) and int(rows.min()) < 0:
             i = int(np.argmin(rows))
-            raise EpisodeNotFoundError(f"run {run!r} has no committed episode with world={int(world[i])} "
-                                       f"index={int(index[i])} in store {self.location!r}")
+            raise self._missing(run, int(world[i]), int(index[i]))
         return rows
 
     def _fields(self, run: str, fields: Sequence[str] | None) -> dict[str, list[str]]:
